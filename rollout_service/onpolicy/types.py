@@ -1,0 +1,96 @@
+"""Data shapes shared by the on-policy core, the store and the Serve shells.
+
+A rollout is a list of *segments*. Each segment is one exact, trainable token sequence: the prompt
+of its first call, then per call the ids that call added (the rendered tail of new messages, and the
+generated ids). A monotonic turn extends the last segment; an edited history (under the `fork`
+policy) starts a new one. Each call stores only the ids it adds, so a rollout's size is linear in
+its number of turns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class WeightSpan:
+    """Generated tokens ``[start, end)`` (segment offsets) were sampled under weight ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
+class TurnRecord:
+    """One model call inside a segment; all offsets index the segment's ``token_ids``."""
+
+    turn: int  # rollout-wide call number, 1-based
+    prompt_start: int  # first id this call added to the segment (tail, or whole prompt on a new segment)
+    gen_start: int  # first generated id; ids [prompt_start, gen_start) are prompt (loss mask 0)
+    gen_end: int  # one past the last generated id
+    finish_reason: str
+    monotonic: bool
+    weight_versions: list[WeightSpan] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TurnRecord":
+        d = dict(d)
+        d["weight_versions"] = [WeightSpan(**w) for w in d.get("weight_versions", [])]
+        return cls(**d)
+
+
+@dataclass
+class Segment:
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 on model-generated ids
+    logprobs: list[float] = field(default_factory=list)  # sampling logprob on generated ids, 0.0 elsewhere
+    turns: list[TurnRecord] = field(default_factory=list)
+    # Canonical messages of this segment so far, including each call's assistant output.
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    # What the template needs to render the next tail the same way (tools, chat_template_kwargs).
+    render_context: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutState:
+    rollout_id: str | None
+    turn: int = 0  # completed calls
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def current(self) -> Segment | None:
+        return self.segments[-1] if self.segments else None
+
+
+@dataclass
+class TurnDelta:
+    """What one call appends to a rollout (the only thing the store writes per turn)."""
+
+    turn: int
+    segment_index: int
+    new_segment: bool
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    record: TurnRecord
+    new_messages: list[dict[str, Any]]  # appended to the segment's message list
+    render_context: dict[str, Any]
+
+    def apply(self, state: RolloutState) -> RolloutState:
+        """Apply in place (and return) — the same operation the store performs durably."""
+        if self.new_segment:
+            state.segments.append(Segment())
+        seg = state.segments[self.segment_index]
+        seg.token_ids.extend(self.token_ids)
+        seg.loss_mask.extend(self.loss_mask)
+        seg.logprobs.extend(self.logprobs)
+        seg.turns.append(self.record)
+        seg.messages.extend(self.new_messages)
+        seg.render_context = self.render_context
+        state.turn = self.turn
+        return state
