@@ -1,0 +1,119 @@
+"""The one interface the rest of the service uses to keep rollouts durable.
+
+The affinity replicas own the on-policy logic but hold no durable state: everything a rollout needs
+to continue on another replica lives behind ``RolloutStore``. The contract is deliberately small —
+load a whole rollout, append one turn conditioned on the turn counter, delete — so the Redis
+implementation can make each of those one atomic server-side step, and the in-memory one can mirror
+it exactly for unit tests of other modules.
+
+Exceptions carry no Redis types, so the HTTP layer maps them without importing the store backend:
+``InvalidRolloutId`` / ``InvalidTurnDelta`` -> 400, ``TurnConflict`` -> 409, ``StoreUnavailable`` -> 503.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol, runtime_checkable
+
+from rollout_service.onpolicy.types import RolloutState, TurnDelta
+
+# Rollout ids end up inside Redis keys (between the ``{...}`` hash-tag braces), in SCAN patterns and
+# in URL paths (``/v1/rollouts/{id}``): braces, glob characters, slashes and whitespace would break one
+# of those, so the charset is the intersection that is safe everywhere.
+ROLLOUT_ID_MAX_LEN = 128
+_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,%d}" % ROLLOUT_ID_MAX_LEN)
+
+
+class StoreError(Exception):
+    """Base of every error a store raises on purpose."""
+
+
+class InvalidRolloutId(StoreError, ValueError):
+    """A client-supplied rollout id cannot be stored as is (the HTTP layer answers 400)."""
+
+    def __init__(self, rollout_id: object, reason: str):
+        self.rollout_id = rollout_id
+        self.reason = reason
+        super().__init__(f"invalid rollout id {rollout_id!r}: {reason}")
+
+
+class InvalidTurnDelta(StoreError, ValueError):
+    """A delta that would corrupt the history (ragged arrays, out-of-range ids, wrong segment).
+
+    The store refuses it before writing anything, so a bug upstream cannot leave a half-written turn.
+    """
+
+
+class TurnConflict(StoreError):
+    """Another call on the same rollout committed first (the HTTP layer answers 409).
+
+    ``actual`` is the stored turn counter at the time of the attempt (0 when the rollout does not
+    exist), so the caller can tell a lost race from a stale client.
+    """
+
+    def __init__(self, rollout_id: str, expected: int, actual: int):
+        self.rollout_id = rollout_id
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"rollout {rollout_id!r}: expected turn {expected}, store is at turn {actual} "
+            "(a concurrent request on this rollout committed first)"
+        )
+
+
+class StoreUnavailable(StoreError):
+    """The backend cannot be reached (the HTTP layer answers 503; the request may be retried)."""
+
+
+def validate_rollout_id(rollout_id: object) -> str:
+    if not isinstance(rollout_id, str):
+        raise InvalidRolloutId(rollout_id, "must be a string")
+    if not rollout_id:
+        raise InvalidRolloutId(rollout_id, "must not be empty")
+    if len(rollout_id) > ROLLOUT_ID_MAX_LEN:
+        raise InvalidRolloutId(rollout_id, f"longer than {ROLLOUT_ID_MAX_LEN} characters")
+    if not _ROLLOUT_ID_RE.fullmatch(rollout_id):
+        raise InvalidRolloutId(rollout_id, "allowed characters are letters, digits and - _ . :")
+    return rollout_id
+
+
+@runtime_checkable
+class RolloutStore(Protocol):
+    """Durable per-rollout history with optimistic concurrency on the turn counter.
+
+    Appends are the only writes during a rollout and they never rewrite earlier turns, so the cost of
+    a turn does not grow with the length of the history. Token ids are stored as int32 and logprobs
+    as float32 (the engine's precision): a load returns exactly what was appended, after float32
+    rounding of the logprobs and a JSON round trip of the turn records and messages.
+    """
+
+    async def load(self, rollout_id: str) -> RolloutState | None:
+        """The whole rollout as one consistent snapshot, or None if unknown (or expired)."""
+        ...
+
+    async def append_turn(self, rollout_id: str, delta: TurnDelta, *, expected_turn: int) -> None:
+        """Append one call's delta iff the stored turn counter equals ``expected_turn``.
+
+        Atomic: either the whole delta is stored, the counter becomes ``delta.turn`` and the expiry of
+        every key of the rollout is refreshed, or nothing changes and ``TurnConflict`` is raised.
+        ``expected_turn=0`` creates the rollout.
+        """
+        ...
+
+    async def delete(self, rollout_id: str) -> bool:
+        """Free every key of the rollout; False if there was nothing to delete."""
+        ...
+
+    async def exists(self, rollout_id: str) -> bool: ...
+
+    async def touch(self, rollout_id: str) -> bool:
+        """Restart the expiry clock without appending (e.g. a long tool call); False if unknown."""
+        ...
+
+    async def ttl(self, rollout_id: str) -> float | None:
+        """Seconds until the rollout expires, None if it does not exist."""
+        ...
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...

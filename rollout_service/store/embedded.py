@@ -1,0 +1,177 @@
+"""A private redis-server for the single-machine ``up`` command and for tests.
+
+On one machine the service still needs a real Redis: Ray actors in different processes must share
+rollout state, which no in-process fake can do. This starts the apt-installed ``redis-server`` on
+127.0.0.1 with an append-only file (so a restart keeps every rollout) and no RDB snapshots (which
+would fork a 2-core box for nothing), and stops exactly the process it started.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+INSTALL_HINT = "redis-server not found on PATH: install it with `apt-get install -y redis-server`"
+
+
+class EmbeddedRedisError(RuntimeError):
+    pass
+
+
+def find_redis_server(explicit: str | None = None) -> str:
+    path = explicit or shutil.which("redis-server")
+    if not path or not os.access(path, os.X_OK):
+        raise EmbeddedRedisError(INSTALL_HINT)
+    return path
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ping(host: str, port: int, timeout: float = 0.2) -> bool:
+    """Raw RESP PING, so readiness needs no client library and no event loop."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class EmbeddedRedis:
+    """One redis-server child process with its data in ``directory``.
+
+    ``start()`` returns the URL; ``stop()`` sends SIGTERM (Redis flushes the AOF on a clean shutdown),
+    waits, then SIGKILLs. ``restart()`` keeps port and directory, so the URL stays valid and the AOF is
+    replayed. Also a context manager. A stop is registered with ``atexit`` so an interrupted test run
+    or CLI does not leave an orphan server behind.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        redis_server: str | None = None,
+        ready_timeout: float = 10.0,
+    ):
+        self.directory = Path(directory)
+        self.host = host
+        self.port = port
+        self.extra_args = list(extra_args)
+        self.redis_server = redis_server
+        self.ready_timeout = ready_timeout
+        self.process: subprocess.Popen | None = None
+        self._atexit_registered = False
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise EmbeddedRedisError("server not started")
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "redis-server.log"
+
+    def start(self) -> str:
+        if self.process is not None and self.process.poll() is None:
+            return self.url
+        binary = find_redis_server(self.redis_server)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fixed_port = self.port is not None
+        last_error = ""
+        for _ in range(1 if fixed_port else 5):  # a free port can be taken between probe and bind
+            port = self.port if fixed_port else _free_port(self.host)
+            if self._spawn(binary, port):
+                self.port = port
+                if not self._atexit_registered:
+                    atexit.register(self.stop)
+                    self._atexit_registered = True
+                return self.url
+            last_error = self._log_tail()
+        raise EmbeddedRedisError(f"redis-server did not become ready: {last_error}")
+
+    def _spawn(self, binary: str, port: int) -> bool:
+        args = [
+            binary,
+            "--bind", self.host,
+            "--port", str(port),
+            "--dir", str(self.directory),
+            "--appendonly", "yes",
+            "--save", "",
+            "--daemonize", "no",
+            "--protected-mode", "yes",
+            "--logfile", "",
+            *self.extra_args,
+        ]
+        with open(self.log_path, "ab") as logf:
+            self.process = subprocess.Popen(
+                args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.process = None
+                return False
+            if _ping(self.host, port):
+                return True
+            time.sleep(0.01)
+        self._terminate()
+        return False
+
+    def _log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._terminate(timeout)
+
+    def _terminate(self, timeout: float = 10.0) -> None:
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def restart(self) -> str:
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> "EmbeddedRedis":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def embedded_redis(directory: str | os.PathLike, **kwargs) -> Iterator[EmbeddedRedis]:
+    """For a pytest session fixture: ``with embedded_redis(tmp_path_factory.mktemp("redis")) as r: yield r.url``."""
+    server = EmbeddedRedis(directory, **kwargs)
+    with server:
+        yield server

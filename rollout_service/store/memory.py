@@ -1,0 +1,96 @@
+"""In-process store with the Redis store's exact semantics, for unit tests of other modules.
+
+It keeps the same encoded chunks as Redis (see ``codec``), so what a test loads back is what
+production would load back. It is per process: Ray actors cannot share it, so it is never a
+production backend.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rollout_service.onpolicy.types import RolloutState
+from rollout_service.store.base import TurnConflict, validate_rollout_id
+from rollout_service.store.codec import EncodedSegment, check_segment_index, decode_state, encode_delta
+
+
+@dataclass
+class _Entry:
+    turn: int = 0
+    segments: list[EncodedSegment] = field(default_factory=list)
+    expires_at: float = 0.0
+
+
+class MemoryRolloutStore:
+    """``RolloutStore`` in a dict. Every method body runs without awaiting, so on one event loop each
+    call is as atomic as the Redis Lua script it mirrors."""
+
+    def __init__(self, *, ttl_seconds: float = 7 * 24 * 3600, clock: Callable[[], float] = time.monotonic):
+        self.ttl_seconds = ttl_seconds
+        self._clock = clock
+        self._data: dict[str, _Entry] = {}
+
+    def _live(self, rollout_id: str) -> _Entry | None:
+        entry = self._data.get(rollout_id)
+        if entry is not None and entry.expires_at <= self._clock():
+            del self._data[rollout_id]
+            return None
+        return entry
+
+    async def load(self, rollout_id: str) -> RolloutState | None:
+        validate_rollout_id(rollout_id)
+        entry = self._live(rollout_id)
+        if entry is None:
+            return None
+        return decode_state(rollout_id, entry.turn, entry.segments)
+
+    async def append_turn(self, rollout_id: str, delta, *, expected_turn: int) -> None:
+        validate_rollout_id(rollout_id)
+        enc = encode_delta(delta, expected_turn=expected_turn)
+        entry = self._live(rollout_id)
+        stored_turn = entry.turn if entry else 0
+        if stored_turn != expected_turn:
+            raise TurnConflict(rollout_id, expected_turn, stored_turn)
+        check_segment_index(enc, len(entry.segments) if entry else 0)
+        if entry is None:
+            entry = self._data[rollout_id] = _Entry()
+        if enc.new_segment:
+            entry.segments.append(EncodedSegment(turns=[], messages=[]))
+        seg = entry.segments[enc.segment_index]
+        seg.ids += enc.ids
+        seg.logprobs += enc.logprobs
+        seg.mask += enc.mask
+        seg.turns.append(enc.record)
+        seg.messages.extend(enc.messages)
+        seg.render_context = enc.render_context
+        entry.turn = enc.turn
+        entry.expires_at = self._clock() + self.ttl_seconds
+
+    async def delete(self, rollout_id: str) -> bool:
+        validate_rollout_id(rollout_id)
+        return self._live(rollout_id) is not None and self._data.pop(rollout_id, None) is not None
+
+    async def exists(self, rollout_id: str) -> bool:
+        validate_rollout_id(rollout_id)
+        return self._live(rollout_id) is not None
+
+    async def touch(self, rollout_id: str) -> bool:
+        validate_rollout_id(rollout_id)
+        entry = self._live(rollout_id)
+        if entry is None:
+            return False
+        entry.expires_at = self._clock() + self.ttl_seconds
+        return True
+
+    async def ttl(self, rollout_id: str) -> float | None:
+        validate_rollout_id(rollout_id)
+        entry = self._live(rollout_id)
+        return None if entry is None else entry.expires_at - self._clock()
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self._data.clear()

@@ -1,0 +1,318 @@
+"""Rollout store on Redis (single server or Redis Cluster), append-only per turn.
+
+Key layout of rollout ``R`` under prefix ``P`` (every key carries the hash tag ``{R}``, so one rollout
+lives in one cluster slot and each Lua script touches a single slot)::
+
+    P:{R}:meta          hash   turn (completed calls), nseg (segments), v (layout version)
+    P:{R}:s<i>:ids      string token ids of segment i, packed little-endian int32, APPENDed per turn
+    P:{R}:s<i>:lp       string logprobs, little-endian float32, APPENDed per turn
+    P:{R}:s<i>:mask     string loss mask, uint8, APPENDed per turn
+    P:{R}:s<i>:turns    list   one JSON TurnRecord per call (RPUSH)
+    P:{R}:s<i>:msgs     list   one JSON canonical message per entry (RPUSH)
+    P:{R}:s<i>:ctx      string JSON render_context (small; overwritten per turn)
+
+Why this shape: rewriting a rollout's history on every turn costs O(history) per turn (measured
+151 ops/s at 60k tokens against ~12k ops/s for APPEND on these machines), so a turn only ever appends
+its own bytes. Each operation is one Lua script (one round trip, atomic): the append checks the turn
+counter, writes everything, bumps the counter and refreshes the expiry of every key; the load returns
+a consistent snapshot even while another replica appends.
+
+Scripts get the ``meta`` key in KEYS and derive the sibling keys from it: the reader does not know
+the number of segments before reading, and derived keys share the hash tag, so they are in the
+declared key's slot (which Redis 7 requires of undeclared keys, and which a cluster routes on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, AsyncIterator
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis import exceptions as rexc
+
+from rollout_service.config import StoreConfig
+from rollout_service.onpolicy.types import RolloutState, TurnDelta
+from rollout_service.store.base import (
+    InvalidTurnDelta,
+    StoreError,
+    StoreUnavailable,
+    TurnConflict,
+    validate_rollout_id,
+)
+from rollout_service.store.codec import EncodedSegment, decode_state, encode_delta
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1
+SEGMENT_FIELDS = ("ids", "lp", "mask", "turns", "msgs", "ctx")
+_MSGS_PER_RPUSH = 512  # keeps Lua's unpack() far below its C-stack limit on huge first prompts
+
+# Shared by every script: sibling keys are the meta key with "meta" replaced.
+_LUA_KEYS = """
+local meta = KEYS[1]
+local base = string.sub(meta, 1, -5)
+local FIELDS = {'ids', 'lp', 'mask', 'turns', 'msgs', 'ctx'}
+local function seg_prefix(i) return base .. 's' .. i .. ':' end
+local function expire_all(nseg, ms)
+  redis.call('PEXPIRE', meta, ms)
+  for i = 0, nseg - 1 do
+    local p = seg_prefix(i)
+    for _, f in ipairs(FIELDS) do redis.call('PEXPIRE', p .. f, ms) end
+  end
+end
+"""
+
+# ARGV: expected_turn, new_turn, segment_index, new_segment (0/1), ttl_ms, ids, lp, mask, record, ctx, msgs...
+# Returns {1, nseg} on success, {0, stored_turn} on a turn conflict, {-1, nseg} on a bad segment index.
+# Every check happens before the first write, so a refused append leaves no trace.
+_LUA_APPEND = _LUA_KEYS + """
+local m = redis.call('HMGET', meta, 'turn', 'nseg')
+local stored = tonumber(m[1] or '0')
+if stored ~= tonumber(ARGV[1]) then return {0, stored} end
+local nseg = tonumber(m[2] or '0')
+local seg = tonumber(ARGV[3])
+local new_segment = ARGV[4] == '1'
+local want = nseg - 1
+if new_segment then want = nseg end
+if seg ~= want or want < 0 then return {-1, nseg} end
+local p = seg_prefix(seg)
+redis.call('APPEND', p .. 'ids', ARGV[6])
+redis.call('APPEND', p .. 'lp', ARGV[7])
+redis.call('APPEND', p .. 'mask', ARGV[8])
+redis.call('RPUSH', p .. 'turns', ARGV[9])
+redis.call('SET', p .. 'ctx', ARGV[10])
+local i = 11
+while i <= #ARGV do
+  local j = math.min(i + %d - 1, #ARGV)
+  redis.call('RPUSH', p .. 'msgs', unpack(ARGV, i, j))
+  i = j + 1
+end
+if new_segment then nseg = nseg + 1 end
+redis.call('HSET', meta, 'turn', ARGV[2], 'nseg', nseg, 'v', %d)
+expire_all(nseg, tonumber(ARGV[5]))
+return {1, nseg}
+""" % (_MSGS_PER_RPUSH, LAYOUT_VERSION)
+
+# Returns false for an unknown rollout, else {turn, nseg, then per segment: ids, lp, mask, ctx, turns[], msgs[]}.
+_LUA_LOAD = _LUA_KEYS + """
+local m = redis.call('HMGET', meta, 'turn', 'nseg')
+if not m[1] then return false end
+local nseg = tonumber(m[2] or '0')
+local out = {m[1], m[2] or '0'}
+for i = 0, nseg - 1 do
+  local p = seg_prefix(i)
+  out[#out + 1] = redis.call('GET', p .. 'ids') or ''
+  out[#out + 1] = redis.call('GET', p .. 'lp') or ''
+  out[#out + 1] = redis.call('GET', p .. 'mask') or ''
+  out[#out + 1] = redis.call('GET', p .. 'ctx') or ''
+  out[#out + 1] = redis.call('LRANGE', p .. 'turns', 0, -1)
+  out[#out + 1] = redis.call('LRANGE', p .. 'msgs', 0, -1)
+end
+return out
+"""
+
+# Returns the number of keys removed (0: unknown rollout).
+_LUA_DELETE = _LUA_KEYS + """
+local nseg = tonumber(redis.call('HGET', meta, 'nseg') or '0')
+local n = redis.call('DEL', meta)
+for i = 0, nseg - 1 do
+  local p = seg_prefix(i)
+  for _, f in ipairs(FIELDS) do n = n + redis.call('DEL', p .. f) end
+end
+return n
+"""
+
+# ARGV: ttl_ms. Returns 1 if the rollout exists (and its expiry was restarted), else 0.
+_LUA_TOUCH = _LUA_KEYS + """
+local nseg = redis.call('HGET', meta, 'nseg')
+if not nseg then return 0 end
+expire_all(tonumber(nseg), tonumber(ARGV[1]))
+return 1
+"""
+
+_UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError, rexc.BusyLoadingError)
+
+
+def parse_redis_url(url: str) -> tuple[str, bool]:
+    """Split our cluster marker off a Redis URL: ``redis+cluster://`` / ``rediss+cluster://`` or a
+    ``cluster=true`` query parameter. Returns the URL redis-py understands and whether it is a cluster.
+
+    StoreConfig has only ``redis_url``, so the URL itself has to say which client to build.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    cluster = False
+    if scheme.endswith("+cluster"):
+        cluster, scheme = True, scheme[: -len("+cluster")]
+    query = []
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        if k.lower() == "cluster":
+            cluster = cluster or v.lower() in ("1", "true", "yes", "on")
+        else:
+            query.append((k, v))
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r} (redis://, rediss://, redis+cluster://)")
+    return urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment)), cluster
+
+
+class RedisRolloutStore:
+    """``RolloutStore`` on redis-py asyncio (``Redis`` or ``RedisCluster`` — the code path is the same)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis | aioredis.RedisCluster,
+        *,
+        ttl_seconds: float = 7 * 24 * 3600,
+        key_prefix: str = "ro",
+        owns_client: bool = False,
+    ):
+        if not key_prefix or any(c in key_prefix for c in "{}*?[]\\ "):
+            raise ValueError(f"key_prefix {key_prefix!r} must be non-empty, without braces, glob characters or spaces")
+        if ttl_seconds <= 0:
+            raise ValueError("ttl_seconds must be positive")
+        self.client = client
+        self.ttl_seconds = ttl_seconds
+        self.key_prefix = key_prefix
+        self._ttl_ms = max(1, int(round(ttl_seconds * 1000)))
+        self._owns_client = owns_client
+        self._append = client.register_script(_LUA_APPEND)
+        self._load = client.register_script(_LUA_LOAD)
+        self._delete = client.register_script(_LUA_DELETE)
+        self._touch = client.register_script(_LUA_TOUCH)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        ttl_seconds: float = 7 * 24 * 3600,
+        key_prefix: str = "ro",
+        cluster: bool | None = None,
+        **client_kwargs: Any,
+    ) -> "RedisRolloutStore":
+        """Build the client from a URL; ``cluster=None`` lets the URL decide (see ``parse_redis_url``)."""
+        clean, url_says_cluster = parse_redis_url(url)
+        use_cluster = url_says_cluster if cluster is None else cluster
+        client_kwargs["decode_responses"] = False  # packed arrays are binary
+        if use_cluster:
+            client = aioredis.RedisCluster.from_url(clean, **client_kwargs)
+        else:
+            client = aioredis.Redis.from_url(clean, **client_kwargs)
+        return cls(client, ttl_seconds=ttl_seconds, key_prefix=key_prefix, owns_client=True)
+
+    @classmethod
+    def from_config(cls, config: StoreConfig, **client_kwargs: Any) -> "RedisRolloutStore":
+        if not config.redis_url:
+            raise ValueError(
+                "StoreConfig.redis_url is not set: start an embedded server first "
+                "(rollout_service.store.embedded.EmbeddedRedis) and pass its URL"
+            )
+        return cls.from_url(
+            config.redis_url, ttl_seconds=config.ttl_seconds, key_prefix=config.key_prefix, **client_kwargs
+        )
+
+    @property
+    def is_cluster(self) -> bool:
+        return isinstance(self.client, aioredis.RedisCluster)
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def meta_key(self, rollout_id: str) -> str:
+        return f"{self.key_prefix}:{{{validate_rollout_id(rollout_id)}}}:meta"
+
+    def keys_for(self, rollout_id: str, num_segments: int) -> list[str]:
+        """Every key a rollout with ``num_segments`` segments may occupy (some lists may be absent)."""
+        base = self.meta_key(rollout_id)[: -len("meta")]
+        return [base + "meta"] + [f"{base}s{i}:{f}" for i in range(num_segments) for f in SEGMENT_FIELDS]
+
+    def key_pattern(self, rollout_id: str) -> str:
+        """SCAN pattern matching every key of the rollout (ids never contain glob characters)."""
+        return self.meta_key(rollout_id)[: -len("meta")] + "*"
+
+    # --- RolloutStore -------------------------------------------------------------------------
+
+    async def load(self, rollout_id: str) -> RolloutState | None:
+        meta = self.meta_key(rollout_id)
+        async with self._translate():
+            reply = await self._load(keys=[meta])
+        if not reply:
+            return None
+        turn, nseg = int(reply[0]), int(reply[1])
+        segments = []
+        for i in range(nseg):
+            ids, lp, mask, ctx, turns, msgs = reply[2 + 6 * i : 8 + 6 * i]
+            segments.append(EncodedSegment(ids=ids, logprobs=lp, mask=mask, render_context=ctx, turns=turns, messages=msgs))
+        return decode_state(rollout_id, turn, segments)
+
+    async def append_turn(self, rollout_id: str, delta: TurnDelta, *, expected_turn: int) -> None:
+        meta = self.meta_key(rollout_id)
+        enc = encode_delta(delta, expected_turn=expected_turn)
+        args = [
+            expected_turn,
+            enc.turn,
+            enc.segment_index,
+            int(enc.new_segment),
+            self._ttl_ms,
+            enc.ids,
+            enc.logprobs,
+            enc.mask,
+            enc.record,
+            enc.render_context,
+            *enc.messages,
+        ]
+        async with self._translate():
+            status, value = await self._append(keys=[meta], args=args)
+        if status == 0:
+            raise TurnConflict(rollout_id, expected_turn, int(value))
+        if status == -1:
+            want = "a new segment" if enc.new_segment else "the last segment"
+            raise InvalidTurnDelta(
+                f"segment_index {enc.segment_index} does not name {want} (rollout has {int(value)} segments)"
+            )
+
+    async def delete(self, rollout_id: str) -> bool:
+        meta = self.meta_key(rollout_id)
+        async with self._translate():
+            return int(await self._delete(keys=[meta])) > 0
+
+    async def exists(self, rollout_id: str) -> bool:
+        meta = self.meta_key(rollout_id)
+        async with self._translate():
+            return bool(await self.client.exists(meta))
+
+    async def touch(self, rollout_id: str) -> bool:
+        meta = self.meta_key(rollout_id)
+        async with self._translate():
+            return bool(await self._touch(keys=[meta], args=[self._ttl_ms]))
+
+    async def ttl(self, rollout_id: str) -> float | None:
+        meta = self.meta_key(rollout_id)
+        async with self._translate():
+            ms = int(await self.client.pttl(meta))
+        if ms == -2:
+            return None
+        return float("inf") if ms == -1 else ms / 1000.0
+
+    async def ping(self) -> bool:
+        """Health probe: False rather than an exception, so readiness checks stay simple."""
+        try:
+            return bool(await self.client.ping())
+        except (*_UNAVAILABLE, OSError) as e:
+            log.warning("redis ping failed: %s", e)
+            return False
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.aclose()
+
+    @contextlib.asynccontextmanager
+    async def _translate(self) -> AsyncIterator[None]:
+        """Backend errors leave as store errors, so callers never import redis to handle them."""
+        try:
+            yield
+        except _UNAVAILABLE as e:
+            raise StoreUnavailable(f"redis unavailable: {e}") from e
+        except rexc.RedisError as e:
+            raise StoreError(f"redis error: {e}") from e
