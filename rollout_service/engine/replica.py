@@ -1,0 +1,314 @@
+"""The vLLM engine replica: a Ray actor around ``AsyncLLM``, token ids in, token ids out.
+
+An explicit actor (not an opaque serving pool) because the refit controller must pause, update and
+resume *every* engine, and give each a rank in a collective group. The data plane is
+``generate`` (a streaming actor method); the control plane is pause / resume / weight version /
+``collective_rpc``, fanned out by the refit controller.
+
+All parity defaults come from :class:`~rollout_service.config.EngineConfig`; nothing is left to a
+vLLM default that could change the logprobs the trainer sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from rollout_service.config import EngineConfig
+from rollout_service.engine.sampling import SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION_CLS = "rollout_service.engine.worker_extension.RolloutWorkerExtension"
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]
+    sampling: SamplingOptions
+    max_tokens: int
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class GenerationChunk:
+    """A streamed piece of one generation. ``weight_versions`` is set on the final chunk only."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # processed logprob of each sampled id
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    weight_version: str | None = None  # engine's version when this chunk was produced
+    weight_versions: list[tuple[str, int, int]] | None = None  # (version, start, end) over generated ids
+    num_prompt_tokens: int = 0
+    engine_index: int = 0
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is not started, shutting down, or dead."""
+
+
+class EngineReplica:
+    """Wraps one ``AsyncLLM``. Use :func:`create_engine_actor` to run it as a Ray actor."""
+
+    def __init__(self, config: EngineConfig, index: int = 0, initial_weight_version: str = "0"):
+        self.config = config
+        self.index = index
+        self.initial_weight_version = initial_weight_version
+        self._llm = None
+        self._version = initial_weight_version
+        self._in_flight: dict[str, int] = {}
+        self._startup_s: float | None = None
+        self._start_lock = asyncio.Lock()
+
+    # ----------------------------------------------------------------- life cycle
+    def engine_args(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        c = self.config
+        kwargs: dict[str, Any] = dict(
+            model=c.resolved_model(),
+            dtype=c.dtype,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            seed=c.seed,
+            enforce_eager=c.enforce_eager,
+            enable_prefix_caching=c.enable_prefix_caching,
+            async_scheduling=c.async_scheduling,
+            logprobs_mode=c.logprobs_mode,
+            max_logprobs=max(c.max_logprobs, 1),
+            generation_config="vllm",
+            tensor_parallel_size=c.tensor_parallel_size,
+            worker_extension_cls=WORKER_EXTENSION_CLS,
+            disable_log_stats=True,
+        )
+        if c.head_dtype:
+            kwargs["hf_overrides"] = {"head_dtype": c.head_dtype}
+        if c.device == "cuda":
+            kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+        if c.served_model_name:
+            kwargs["served_model_name"] = c.served_model_name
+        kwargs.update(c.extra_engine_args)
+        return AsyncEngineArgs(**kwargs)
+
+    async def start(self) -> float:
+        """Build the engine (idempotent); return start-up seconds."""
+        async with self._start_lock:
+            if self._llm is not None:
+                return self._startup_s or 0.0
+            t0 = time.perf_counter()
+            _apply_engine_env(self.config)
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            self._llm = AsyncLLM.from_engine_args(self.engine_args())
+            await self._llm.update_weight_version(self._version)
+            await self._warm_up()
+            self._startup_s = time.perf_counter() - t0
+            logger.info("engine %d ready in %.1fs", self.index, self._startup_s)
+            return self._startup_s
+
+    async def _warm_up(self) -> None:
+        """One tiny generation, so the first client request does not pay lazy kernel set-up."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=2, logprobs=0, seed=0)
+        async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0, 1, 2]), params, "warmup-" + uuid.uuid4().hex):
+            pass
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def _engine(self):
+        if self._llm is None:
+            raise EngineUnavailable(f"engine {self.index} is not started")
+        return self._llm
+
+    # ----------------------------------------------------------------- data plane
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream a generation. Prompt ids are used exactly as given: no re-tokenization here."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._engine()
+        params = request.sampling.to_vllm(max_tokens=request.max_tokens)
+        params.output_kind = RequestOutputKind.DELTA
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
+        if self.config.enable_prefix_caching:
+            # No prefix-cache hit may cross a refit: KV computed under other weights is not reused.
+            prompt["cache_salt"] = f"weights-{self._version}"
+        self._in_flight[request.request_id] = len(request.prompt_ids)
+        want_top = request.sampling.top_logprobs
+        finished = False
+        try:
+            async for out in llm.generate(TokensPrompt(**prompt), params, request.request_id):
+                comp = out.outputs[0]
+                ids = list(comp.token_ids)
+                lps, tops = _sampled_logprobs(ids, comp.logprobs, want_top)
+                chunk = GenerationChunk(
+                    token_ids=ids,
+                    logprobs=lps,
+                    top_logprobs=tops,
+                    weight_version=self._version,
+                    num_prompt_tokens=len(request.prompt_ids),
+                    engine_index=self.index,
+                )
+                if comp.finish_reason is not None:
+                    finished = True
+                    chunk.finish_reason = comp.finish_reason
+                    chunk.stop_reason = comp.stop_reason
+                    chunk.weight_versions = [(s.version, s.start, s.end) for s in (comp.weight_versions or [])]
+                if ids or chunk.finish_reason:
+                    yield chunk
+        finally:
+            self._in_flight.pop(request.request_id, None)
+            if not finished:
+                await llm.abort(request.request_id)
+
+    async def generate_all(self, request: GenerateRequest) -> GenerationChunk:
+        """Non-streaming convenience: the whole generation as one chunk."""
+        ids: list[int] = []
+        lps: list[float] = []
+        tops: list[dict[int, float]] = []
+        last = None
+        async for chunk in self.generate(request):
+            ids += chunk.token_ids
+            lps += chunk.logprobs
+            tops += chunk.top_logprobs or []
+            last = chunk
+        assert last is not None
+        last.token_ids, last.logprobs = ids, lps
+        last.top_logprobs = tops if request.sampling.top_logprobs else None
+        return last
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine().abort(request_id)
+
+    # -------------------------------------------------------------- control plane
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> float:
+        """Pause scheduling. ``keep`` freezes in-flight requests (none aborted) until resume."""
+        if mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause mode must be keep, wait or abort, got {mode!r}")
+        t0 = time.perf_counter()
+        await self._engine().pause_generation(mode=mode, clear_cache=clear_cache)
+        return time.perf_counter() - t0
+
+    async def resume(self) -> float:
+        t0 = time.perf_counter()
+        await self._engine().resume_generation()
+        return time.perf_counter() - t0
+
+    async def is_paused(self) -> bool:
+        return await self._engine().is_paused()
+
+    async def set_weight_version(self, version: str) -> None:
+        """Label the weights; tokens sampled from now on carry ``version`` in their spans."""
+        await self._engine().update_weight_version(version)
+        self._version = version
+
+    def weight_version(self) -> str:
+        return self._version
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, timeout: float | None = None):
+        """Call a worker(-extension) method on every worker of this engine."""
+        return await self._engine().collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._engine().reset_prefix_cache()
+
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def health(self) -> dict[str, Any]:
+        """Cheap liveness + state summary; raises EngineUnavailable if the engine is gone."""
+        llm = self._engine()
+        if getattr(llm, "errored", False):
+            raise EngineUnavailable(f"engine {self.index} errored: {getattr(llm, 'dead_error', '')}")
+        return {
+            "index": self.index,
+            "ready": True,
+            "paused": await llm.is_paused(),
+            "weight_version": self._version,
+            "in_flight": len(self._in_flight),
+            "startup_s": self._startup_s,
+            "pid": os.getpid(),
+        }
+
+    def tokenizer_path(self) -> str:
+        return self.config.resolved_model()
+
+
+def _sampled_logprobs(ids: list[int], logprobs, want_top: int):
+    """The sampled token's processed logprob per position, plus the top-k alternatives if asked."""
+    if logprobs is None:
+        raise EngineUnavailable("engine returned no logprobs (logprobs must be requested)")
+    out: list[float] = []
+    tops: list[dict[int, float]] | None = [] if want_top else None
+    for pos, tid in enumerate(ids):
+        entry = logprobs[pos]
+        out.append(float(entry[tid].logprob))
+        if tops is not None:
+            ranked = sorted(((t, lp) for t, lp in entry.items()), key=lambda kv: kv[1].rank or 0)
+            tops.append({int(t): float(lp.logprob) for t, lp in ranked if lp.rank and lp.rank <= want_top})
+    return out, tops
+
+
+def _apply_engine_env(config: EngineConfig) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if config.multiprocessing else "0")
+    if config.device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kvcache_space_gib))
+
+
+def engine_runtime_env(config: EngineConfig) -> dict[str, Any]:
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocessing else "0"}
+    if config.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
+    return {"env_vars": env}
+
+
+def create_engine_actor(
+    config: EngineConfig,
+    index: int = 0,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    initial_weight_version: str = "0",
+    placement_group=None,
+    lifetime: str | None = None,
+):
+    """Start an :class:`EngineReplica` Ray actor (call ``start`` on it before generating).
+
+    CPU: ``num_cpus_per_engine`` CPUs. GPU: ``tensor_parallel_size`` GPUs, placed through a
+    placement group bundle per engine when one is given (the TP workers then share its node).
+    """
+    import ray
+
+    opts: dict[str, Any] = {
+        "num_cpus": config.num_cpus_per_engine,
+        "runtime_env": engine_runtime_env(config),
+        "max_concurrency": 10_000,
+        "max_restarts": 0,
+    }
+    if config.device == "cuda":
+        opts["num_gpus"] = 1 if config.tensor_parallel_size == 1 else 0
+    if name:
+        opts["name"] = name
+    if namespace:
+        opts["namespace"] = namespace
+    if lifetime:
+        opts["lifetime"] = lifetime
+    if placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_capture_child_tasks=True
+        )
+    return ray.remote(EngineReplica).options(**opts).remote(config, index, initial_weight_version)

@@ -1,0 +1,46 @@
+"""Local runtime set-up shared by the CLI and the tests: one single-node Ray on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+RAY_ENV = {
+    # Token auth would write ~/.ray/auth_token; a local dev cluster on loopback does not need it.
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # Keeps a single-node cluster on 127.0.0.1 (otherwise the node IP is rewritten to eth0).
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def start_local_ray(num_cpus: int = 16, address: str | None = None) -> dict[str, Any]:
+    """Connect to ``address`` (or RAY_ADDRESS) if given, else start a local single-node Ray.
+
+    ``num_cpus`` is logical: the engines, affinity replicas and Serve proxy each reserve some, and a
+    2-core machine must still place them all.
+    """
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    import ray
+
+    if ray.is_initialized():
+        return {"address": ray.get_runtime_context().gcs_address}
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ctx = ray.init(address=address, namespace="rollout-service", ignore_reinit_error=True)
+    else:
+        # Socket paths must stay under 108 bytes: keep the temp dir short.
+        temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+        ctx = ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _temp_dir=temp_dir,
+            _node_ip_address="127.0.0.1",
+            namespace="rollout-service",
+            runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV}},
+            logging_level="WARNING",
+        )
+    return {"address": ctx.address_info.get("gcs_address")}

@@ -1,0 +1,81 @@
+"""Session-wide real components: the tiny model, one local Ray, one vLLM engine actor.
+
+Started once per test session (engine start-up is ~20 s on 2 cores) and shared by every test that
+needs them. Nothing here is a mock.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+for _k, _v in {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_k, _v)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from rollout_service.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    from rollout_service.runtime import start_local_ray
+
+    info = start_local_ray()
+    yield info
+    import ray
+
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_config(tiny_model_dir):
+    from rollout_service.config import EngineConfig
+
+    return EngineConfig(model=str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def engine_actor(ray_session, engine_config):
+    """One real vLLM engine replica actor, started once."""
+    import ray
+
+    from rollout_service.engine.replica import create_engine_actor
+
+    actor = create_engine_actor(engine_config, 0)
+    ray.get(actor.start.remote(), timeout=300)
+    yield actor
+    try:
+        ray.get(actor.shutdown.remote(), timeout=30)
+    except Exception:
+        pass
+    ray.kill(actor)
