@@ -1,0 +1,251 @@
+"""The RolloutStore contract, run against both implementations (memory and a real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import uuid
+
+import numpy as np
+import pytest
+
+from rollout_service.onpolicy.types import RolloutState
+from rollout_service.store import (
+    InvalidRolloutId,
+    InvalidTurnDelta,
+    MemoryRolloutStore,
+    RedisRolloutStore,
+    RolloutStore,
+    TurnConflict,
+)
+from rollout_service.store.testing import synthetic_delta, synthetic_rollout
+
+TTL = 1000
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request):
+    if request.param == "memory":
+        s = MemoryRolloutStore(ttl_seconds=TTL)
+    else:
+        url = request.getfixturevalue("redis_server")
+        s = RedisRolloutStore.from_url(url, ttl_seconds=TTL, key_prefix=f"t{uuid.uuid4().hex[:8]}")
+    yield s
+    await s.close()
+
+
+async def commit_all(store, rid, deltas):
+    for d in deltas:
+        await store.append_turn(rid, d, expected_turn=d.turn - 1)
+
+
+def named(state: RolloutState, rid: str) -> RolloutState:
+    state = copy.deepcopy(state)
+    state.rollout_id = rid
+    return state
+
+
+def test_both_implementations_satisfy_the_protocol():
+    assert isinstance(MemoryRolloutStore(), RolloutStore)
+    assert isinstance(RedisRolloutStore.from_url("redis://127.0.0.1:1/0"), RolloutStore)
+
+
+async def test_multi_segment_multi_turn_state_round_trips_exactly(store):
+    deltas, expected = synthetic_rollout(random.Random(1), [3, 1, 4], prompt_tokens=50, gen_tokens=70)
+    await commit_all(store, "rollout-1", deltas)
+    loaded = await store.load("rollout-1")
+    assert loaded == named(expected, "rollout-1")
+    assert loaded.turn == 8 and len(loaded.segments) == 3
+    assert 151645 in loaded.segments[0].token_ids
+
+
+async def test_every_intermediate_state_round_trips(store):
+    deltas, _ = synthetic_rollout(random.Random(2), [2, 2])
+    for k in range(1, len(deltas) + 1):
+        await store.append_turn("r", deltas[k - 1], expected_turn=k - 1)
+        state = RolloutState("r")
+        for d in copy.deepcopy(deltas[:k]):
+            d.apply(state)
+        for seg in state.segments:
+            seg.logprobs = np.asarray(seg.logprobs, dtype=np.float32).tolist()
+        assert await store.load("r") == state
+
+
+async def test_ids_are_bit_exact_and_logprobs_exact_after_float32_rounding(store):
+    ids = [0, 1, 255, 256, 65535, 65536, 151643, 151645, 151668, 2**31 - 1]
+    logprobs = [0.0, -1e-9, -0.1, -1 / 3, -2.5e-7, -17.123456789, -1e-30, -float("inf"), -3e38, -0.0]
+    d = synthetic_delta(random.Random(0), turn=1, segment_index=0, new_segment=True, segment_len=0)
+    d.token_ids, d.logprobs, d.loss_mask = ids, logprobs, [0, 1] * 5
+    await store.append_turn("exact", d, expected_turn=0)
+    seg = (await store.load("exact")).segments[0]
+    assert seg.token_ids == ids
+    assert seg.loss_mask == [0, 1] * 5
+    assert seg.logprobs == [float(np.float32(x)) for x in logprobs]
+    assert all(type(x) is int for x in seg.token_ids) and all(type(x) is float for x in seg.logprobs)
+
+
+async def test_unknown_rollout_is_absent_everywhere(store):
+    assert await store.load("nope") is None
+    assert await store.exists("nope") is False
+    assert await store.ttl("nope") is None
+    assert await store.touch("nope") is False
+    assert await store.delete("nope") is False
+
+
+async def test_stale_expected_turn_conflicts_and_changes_nothing(store):
+    deltas, expected = synthetic_rollout(random.Random(3), [2])
+    await commit_all(store, "r", deltas)
+    late = synthetic_delta(random.Random(9), turn=2, segment_index=0, new_segment=False, segment_len=10)
+    with pytest.raises(TurnConflict) as info:
+        await store.append_turn("r", late, expected_turn=1)
+    assert (info.value.expected, info.value.actual) == (1, 2)
+    assert await store.load("r") == named(expected, "r")
+
+
+async def test_first_turn_on_an_existing_rollout_conflicts(store):
+    deltas, _ = synthetic_rollout(random.Random(4), [1])
+    await commit_all(store, "r", deltas)
+    with pytest.raises(TurnConflict) as info:
+        await store.append_turn("r", deltas[0], expected_turn=0)
+    assert info.value.actual == 1
+
+
+async def test_twenty_concurrent_appends_on_one_turn_exactly_one_wins(store):
+    deltas, _ = synthetic_rollout(random.Random(5), [3])
+    await commit_all(store, "race", deltas)
+    before = await store.load("race")
+    seg_len = len(before.segments[0].token_ids)
+    rivals = [
+        synthetic_delta(random.Random(100 + i), turn=4, segment_index=0, new_segment=False, segment_len=seg_len)
+        for i in range(20)
+    ]
+    results = await asyncio.gather(
+        *(store.append_turn("race", d, expected_turn=3) for d in rivals), return_exceptions=True
+    )
+    winners = [i for i, r in enumerate(results) if r is None]
+    assert len(winners) == 1, results
+    assert all(isinstance(r, TurnConflict) and r.actual == 4 for i, r in enumerate(results) if i != winners[0])
+    expected = copy.deepcopy(rivals[winners[0]]).apply(copy.deepcopy(before))
+    expected.segments[0].logprobs = np.asarray(expected.segments[0].logprobs, dtype=np.float32).tolist()
+    assert await store.load("race") == expected
+
+
+async def test_concurrent_first_turns_create_the_rollout_once(store):
+    rivals = [
+        synthetic_delta(random.Random(i), turn=1, segment_index=0, new_segment=True, segment_len=0) for i in range(20)
+    ]
+    results = await asyncio.gather(*(store.append_turn("new", d, expected_turn=0) for d in rivals), return_exceptions=True)
+    assert sum(r is None for r in results) == 1
+    state = await store.load("new")
+    assert state.turn == 1 and len(state.segments) == 1 and len(state.segments[0].turns) == 1
+
+
+@pytest.mark.parametrize(
+    "bad_id", ["", "x" * 129, "a{b}", "a}b", "has space", "star*", "q?", "br[a]ck", "sl/ash", "é", "a\nb", 42, None]
+)
+async def test_invalid_rollout_ids_are_rejected_by_every_method(store, bad_id):
+    d = synthetic_delta(random.Random(0), turn=1, segment_index=0, new_segment=True, segment_len=0)
+    for call in (
+        lambda: store.load(bad_id),
+        lambda: store.append_turn(bad_id, d, expected_turn=0),
+        lambda: store.delete(bad_id),
+        lambda: store.exists(bad_id),
+        lambda: store.touch(bad_id),
+        lambda: store.ttl(bad_id),
+    ):
+        with pytest.raises(InvalidRolloutId) as info:
+            await call()
+        assert isinstance(info.value, ValueError)
+
+
+async def test_valid_rollout_id_charset(store):
+    rid = "Ab0_-.:" + "z" * 121
+    deltas, expected = synthetic_rollout(random.Random(6), [1])
+    await commit_all(store, rid, deltas)
+    assert await store.load(rid) == named(expected, rid)
+
+
+def _bad_deltas():
+    def base():
+        return synthetic_delta(random.Random(0), turn=1, segment_index=0, new_segment=True, segment_len=0)
+
+    cases = {}
+    d = base(); d.loss_mask = d.loss_mask[:-1]; cases["ragged mask"] = d  # noqa: E702
+    d = base(); d.logprobs = d.logprobs + [0.0]; cases["ragged logprobs"] = d  # noqa: E702
+    d = base(); d.token_ids[0] = 2**31; cases["id beyond int32"] = d  # noqa: E702
+    d = base(); d.token_ids[0] = -1; cases["negative id"] = d  # noqa: E702
+    d = base(); d.loss_mask[0] = 2; cases["mask not 0/1"] = d  # noqa: E702
+    d = base(); d.turn = 2; d.record.turn = 2; cases["turn skips"] = d  # noqa: E702
+    d = base(); d.record.turn = 5; cases["record turn differs"] = d  # noqa: E702
+    d = base(); d.new_segment = False; cases["extends a missing segment"] = d  # noqa: E702
+    d = base(); d.segment_index = 1; cases["skips a segment"] = d  # noqa: E702
+    d = base(); d.new_messages = [{"x": object()}]; cases["message not JSON"] = d  # noqa: E702
+    d = base(); d.render_context = {"nan": float("nan")}; cases["NaN in JSON"] = d  # noqa: E702
+    return cases
+
+
+@pytest.mark.parametrize("case", list(_bad_deltas()))
+async def test_invalid_delta_is_refused_before_anything_is_written(store, case):
+    with pytest.raises(InvalidTurnDelta):
+        await store.append_turn("bad", _bad_deltas()[case], expected_turn=0)
+    assert await store.exists("bad") is False
+
+
+async def test_segment_index_must_extend_last_or_open_next(store):
+    deltas, expected = synthetic_rollout(random.Random(7), [1, 1])
+    await commit_all(store, "r", deltas)
+    back = synthetic_delta(random.Random(0), turn=3, segment_index=0, new_segment=False, segment_len=0)
+    with pytest.raises(InvalidTurnDelta):
+        await store.append_turn("r", back, expected_turn=2)
+    assert await store.load("r") == named(expected, "r")
+
+
+async def test_delete_frees_the_rollout_and_the_id_can_start_over(store):
+    deltas, expected = synthetic_rollout(random.Random(8), [2, 1])
+    await commit_all(store, "r", deltas)
+    assert await store.delete("r") is True
+    assert await store.load("r") is None and await store.exists("r") is False
+    assert await store.delete("r") is False
+    await commit_all(store, "r", deltas)
+    assert await store.load("r") == named(expected, "r")
+
+
+async def test_ttl_is_set_on_append_and_restarted_by_touch(store):
+    deltas, _ = synthetic_rollout(random.Random(10), [1])
+    await commit_all(store, "r", deltas)
+    ttl = await store.ttl("r")
+    assert TTL - 5 < ttl <= TTL
+    assert await store.touch("r") is True
+    assert TTL - 5 < await store.ttl("r") <= TTL
+
+
+async def test_loaded_state_is_a_copy(store):
+    deltas, expected = synthetic_rollout(random.Random(11), [2])
+    await commit_all(store, "r", deltas)
+    s = await store.load("r")
+    s.segments[0].token_ids.append(7)
+    s.segments[0].messages[0]["content"] = "edited"
+    assert await store.load("r") == named(expected, "r")
+
+
+async def test_json_values_come_back_normalised(store):
+    d = synthetic_delta(random.Random(0), turn=1, segment_index=0, new_segment=True, segment_len=0)
+    d.new_messages = [{"role": "user", "content": "ü 🙂", "args": (1, 2), "n": None}]
+    d.render_context = {"tools": [], "kwargs": {"enable_thinking": False}}
+    await store.append_turn("r", d, expected_turn=0)
+    seg = (await store.load("r")).segments[0]
+    assert seg.messages == [{"role": "user", "content": "ü 🙂", "args": [1, 2], "n": None}]
+    assert seg.render_context == {"tools": [], "kwargs": {"enable_thinking": False}}
+
+
+async def test_empty_turn_is_a_valid_append(store):
+    d = synthetic_delta(random.Random(0), turn=1, segment_index=0, new_segment=True, segment_len=0, prompt_tokens=0, gen_tokens=0)
+    d.new_messages = []
+    await store.append_turn("r", d, expected_turn=0)
+    state = await store.load("r")
+    assert state.turn == 1 and state.segments[0].token_ids == [] and state.segments[0].messages == []
+
+
+async def test_ping(store):
+    assert await store.ping() is True

@@ -1,0 +1,221 @@
+"""What only the Redis store promises: append-only writes, key layout, expiry, persistence, cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+from redis.crc import key_slot
+
+from rollout_service.store import EmbeddedRedis, EmbeddedRedisError, RedisRolloutStore, StoreUnavailable, TurnConflict
+from rollout_service.store.embedded import _free_port
+from rollout_service.store.redis_store import parse_redis_url
+from rollout_service.store.testing import synthetic_delta, synthetic_rollout
+
+
+@pytest.fixture
+async def store(redis_server):
+    s = RedisRolloutStore.from_url(redis_server, ttl_seconds=1000, key_prefix=f"t{uuid.uuid4().hex[:8]}")
+    yield s
+    await s.close()
+
+
+async def commit_all(store, rid, deltas):
+    for d in deltas:
+        await store.append_turn(rid, d, expected_turn=d.turn - 1)
+
+
+async def scan_keys(client, pattern):
+    return sorted([k async for k in client.scan_iter(match=pattern, count=1000)])
+
+
+def same_size_delta(turn, seg_len):
+    # Fixed-width content so every turn sends the same number of bytes.
+    d = synthetic_delta(random.Random(turn), turn=turn, segment_index=0, new_segment=turn == 1, segment_len=seg_len,
+                        prompt_tokens=100, gen_tokens=900)
+    d.new_messages = [{"role": "tool", "content": "r" * 200}, {"role": "assistant", "content": "a" * 300}]
+    d.render_context = {"tools": []}
+    d.record.finish_reason = "stop"
+    return d
+
+
+async def test_append_cost_does_not_grow_with_history(store):
+    """The 2nd and the 60th append of a 1,000-token turn issue the same commands and send/persist the same bytes."""
+    c = store.client
+
+    async def measured_append(turn, seg_len):
+        def snap(info_cs, info_all):
+            calls = {k: v["calls"] for k, v in info_cs.items() if k not in ("cmdstat_info",)}
+            return calls, info_all["total_net_input_bytes"], info_all["aof_current_size"]
+
+        calls0, in0, aof0 = snap(await c.info("commandstats"), await c.info("all"))
+        await store.append_turn("long", same_size_delta(turn, seg_len), expected_turn=turn - 1)
+        calls1, in1, aof1 = snap(await c.info("commandstats"), await c.info("all"))
+        delta_calls = {k: calls1[k] - calls0.get(k, 0) for k in calls1 if calls1[k] != calls0.get(k, 0)}
+        return delta_calls, in1 - in0, aof1 - aof0
+
+    seg_len = 0
+    costs = {}
+    for turn in range(1, 61):
+        costs[turn] = await measured_append(turn, seg_len)
+        seg_len += 1000
+    early, late = costs[2], costs[60]
+    print("append cost turn 2:", early, "turn 60:", late)
+    assert early[0] == late[0], (early[0], late[0])
+    assert late[0].get("cmdstat_set") == 1  # render_context only: no SET of the history
+    assert late[0]["cmdstat_append"] == 3  # ids, logprobs, mask
+    assert late[0]["cmdstat_evalsha"] == 1
+    # ~9 KB per turn (4+4+1 bytes per token + JSON); nothing proportional to the 60k-token history.
+    for sent, persisted in (early[1:], late[1:]):
+        assert 9_000 < sent < 12_000 and 9_000 < persisted < 12_000
+    assert abs(late[1] - early[1]) < 64 and abs(late[2] - early[2]) < 64
+    ids_key = store.keys_for("long", 1)[1]
+    assert await c.strlen(ids_key) == 4 * 60_000
+    assert len((await store.load("long")).segments[0].token_ids) == 60_000
+
+
+async def test_keys_are_hash_tagged_and_share_one_cluster_slot(store):
+    keys = store.keys_for("rollout:42", 3)
+    assert keys[0] == f"{store.key_prefix}:{{rollout:42}}:meta"
+    assert all("{rollout:42}" in k for k in keys)
+    assert {key_slot(k.encode()) for k in keys} == {key_slot(b"rollout:42")}
+
+
+async def test_stored_keys_are_exactly_the_documented_layout(store):
+    deltas, _ = synthetic_rollout(random.Random(0), [2, 1])
+    await commit_all(store, "r", deltas)
+    found = await scan_keys(store.client, store.key_pattern("r"))
+    assert [k.decode() for k in found] == sorted(store.keys_for("r", 2))
+    assert await store.client.hgetall(store.meta_key("r")) == {b"turn": b"3", b"nseg": b"2", b"v": b"1"}
+
+
+async def test_delete_frees_every_key(store):
+    deltas, _ = synthetic_rollout(random.Random(1), [2, 3, 1])
+    await commit_all(store, "gone", deltas)
+    await commit_all(store, "kept", deltas)
+    assert len(await scan_keys(store.client, store.key_pattern("gone"))) == 1 + 3 * 6
+    assert await store.delete("gone") is True
+    assert await scan_keys(store.client, store.key_pattern("gone")) == []
+    assert await scan_keys(store.client, "*{gone}*") == []
+    assert len(await scan_keys(store.client, store.key_pattern("kept"))) == 1 + 3 * 6
+
+
+async def test_every_key_gets_the_ttl_and_each_turn_refreshes_all_of_them(store):
+    c = store.client
+    deltas, _ = synthetic_rollout(random.Random(2), [1, 2])
+    await commit_all(store, "r", deltas[:2])
+    keys = store.keys_for("r", 2)
+    assert all(900_000 < t <= 1_000_000 for t in [await c.pttl(k) for k in keys])
+    for k in keys:
+        await c.pexpire(k, 5_000)  # as if the rollout had been idle for a long time
+    await store.append_turn("r", deltas[2], expected_turn=2)
+    assert all(900_000 < t <= 1_000_000 for t in [await c.pttl(k) for k in keys])  # segment 0 too, though untouched
+    for k in keys:
+        await c.pexpire(k, 5_000)
+    assert await store.touch("r") is True
+    assert all(900_000 < t <= 1_000_000 for t in [await c.pttl(k) for k in keys])
+
+
+async def test_rollout_expires_as_a_whole(redis_server):
+    s = RedisRolloutStore.from_url(redis_server, ttl_seconds=0.2, key_prefix=f"t{uuid.uuid4().hex[:8]}")
+    deltas, _ = synthetic_rollout(random.Random(3), [1, 1])
+    await commit_all(s, "short", deltas)
+    assert await s.exists("short")
+    await asyncio.sleep(0.4)
+    assert await s.load("short") is None
+    assert await scan_keys(s.client, s.key_pattern("short")) == []
+    await s.close()
+
+
+async def test_history_survives_a_server_restart_through_the_aof(tmp_path):
+    server = EmbeddedRedis(tmp_path / "aof")
+    url = server.start()
+    try:
+        s = RedisRolloutStore.from_url(url)
+        deltas, expected = synthetic_rollout(random.Random(4), [3, 2])
+        await commit_all(s, "durable", deltas)
+        await s.close()
+        pid = server.pid
+        server.restart()
+        assert server.pid != pid and server.url == url
+        s = RedisRolloutStore.from_url(url)
+        expected.rollout_id = "durable"
+        assert await s.load("durable") == expected
+        with pytest.raises(TurnConflict):
+            await s.append_turn("durable", deltas[0], expected_turn=0)
+        await s.close()
+        assert any((tmp_path / "aof" / "appendonlydir").iterdir())
+    finally:
+        server.stop()
+    assert server.process is None
+
+
+async def test_unreachable_server_is_unavailable_not_a_crash():
+    s = RedisRolloutStore.from_url(f"redis://127.0.0.1:{_free_port('127.0.0.1')}/0", socket_connect_timeout=0.5)
+    assert await s.ping() is False
+    with pytest.raises(StoreUnavailable):
+        await s.load("r")
+    await s.close()
+
+
+def test_missing_redis_server_binary_says_how_to_install(tmp_path):
+    with pytest.raises(EmbeddedRedisError, match="apt-get install"):
+        EmbeddedRedis(tmp_path, redis_server=str(tmp_path / "no-such-redis-server")).start()
+
+
+@pytest.mark.parametrize(
+    "url, clean, cluster",
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0", False),
+        ("redis+cluster://10.0.0.1:7000", "redis://10.0.0.1:7000", True),
+        ("rediss+cluster://h:7000/?ssl_cert_reqs=none", "rediss://h:7000/?ssl_cert_reqs=none", True),
+        ("redis://h:7000/?cluster=true&protocol=3", "redis://h:7000/?protocol=3", True),
+        ("redis://h:7000/?cluster=0", "redis://h:7000/", False),
+    ],
+)
+def test_url_selects_the_client(url, clean, cluster):
+    assert parse_redis_url(url) == (clean, cluster)
+
+
+def test_unknown_url_scheme_is_refused():
+    with pytest.raises(ValueError):
+        parse_redis_url("http://127.0.0.1:6379")
+
+
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory):
+    """A real one-node Redis Cluster owning all 16384 slots: exercises RedisCluster routing of the scripts."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("cluster"), extra_args=["--cluster-enabled", "yes"])
+    server.start()
+    import redis
+
+    r = redis.Redis(host=server.host, port=server.port)
+    r.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+    deadline = time.monotonic() + 10
+    while b"cluster_state:ok" not in r.execute_command("CLUSTER", "INFO"):
+        assert time.monotonic() < deadline, "cluster did not become ok"
+        time.sleep(0.05)
+    r.close()
+    yield f"redis+cluster://{server.host}:{server.port}"
+    server.stop()
+
+
+async def test_same_code_runs_on_a_redis_cluster(cluster_url):
+    s = RedisRolloutStore.from_url(cluster_url, ttl_seconds=1000)
+    assert s.is_cluster and isinstance(s.client, aioredis.RedisCluster)
+    deltas, expected = synthetic_rollout(random.Random(5), [2, 2])
+    await commit_all(s, "clustered", deltas)
+    expected.rollout_id = "clustered"
+    assert await s.load("clustered") == expected
+    with pytest.raises(TurnConflict):
+        await s.append_turn("clustered", deltas[-1], expected_turn=3)
+    for k in s.keys_for("clustered", 2):
+        assert await s.client.cluster_keyslot(k) == key_slot(k.encode()) == key_slot(b"clustered")
+    assert 900 < await s.ttl("clustered") <= 1000
+    assert await s.delete("clustered") is True and await s.load("clustered") is None
+    assert await s.ping() is True
+    await s.close()
