@@ -1,0 +1,661 @@
+"""Offline validation of everything under k8s/ and deployments/ (no cluster can run here).
+
+What is checked, and against what:
+
+- kustomize: base and every overlay are rendered by a small renderer for the subset these files
+  use (``resources``, ``namespace``, ``patches`` as strategic-merge patches on our custom resources
+  — maps merge, lists replace, as kustomize does for a kind it has no schema for — and RFC 6902
+  JSON patches with a ``target``). Anything else in a kustomization fails the renderer. When a
+  ``kustomize`` or ``kubectl`` binary is on PATH, its output must equal ours.
+- built-in kinds: ``kubernetes-validate`` in strict mode (unknown fields are errors) for the
+  oldest and newest Kubernetes versions we claim.
+- RayService / RayCluster: the KubeRay 1.7 CRDs in ``../shared/kuberay/`` converted to JSON Schema
+  (see ``crd_json_schema``). CEL rules (``x-kubernetes-validations``) are not evaluated.
+- ``serveConfigV2`` and ``deployments/*.yaml``: parsed with ``ray.serve.schema.ServeDeploySchema``
+  plus a strict check for keys Ray's schema would silently ignore; every application's ``args``
+  parsed with ``RolloutServiceConfig.from_args``; every ``import_path`` imported (module, then
+  attribute).
+- consistency: engines fit the worker groups' GPUs / CPUs (tensor-parallel group on one pod),
+  image flavour matches ``engine.device``, image and ``rayVersion`` match the installed Ray, every
+  Ray container gets the Redis URL / API key env from a Secret that the overlay renders or that
+  the docs say to create, the demo Redis URL names a rendered Service, Redis runs with AOF on a PVC.
+- deliberately broken copies of the manifests fail, each for the reason it was broken.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import shutil
+import subprocess
+from functools import lru_cache
+from importlib import resources as importlib_resources
+from pathlib import Path
+from typing import Any, Callable
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import ray
+import yaml
+from referencing import Registry, Resource
+
+from rollout_service.config import RolloutServiceConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+KUBERAY = Path(__file__).resolve().parents[2] / "shared" / "kuberay"
+K8S = ROOT / "k8s"
+DEPLOYMENTS = ROOT / "deployments"
+
+KUSTOMIZATIONS = ["base", "overlays/cpu-demo", "overlays/gpu"]
+# Secrets the operator creates out of band (docs/deployment.md, "Secrets"), per kustomization.
+EXTERNAL_SECRETS = {"base": {"rollout-service"}, "overlays/gpu": {"rollout-service"}, "overlays/cpu-demo": set()}
+SECRET_KEYS = {"rollout-service": {"redis-url", "api-key"}}
+K8S_VERSIONS = ["1.29", "1.37"]
+CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+APP_DEPLOYMENTS = {"Ingress", "RolloutAffinity"}
+CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
+OBJECT_META_REF = "https://kubernetes.io/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
+
+
+# --------------------------------------------------------------------------- kustomize subset
+
+
+def _load_all(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _merge_patch(base: Any, patch: Any) -> Any:
+    """Strategic merge as kustomize applies it to a kind without schema: maps merge, null deletes,
+    lists and scalars replace."""
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge_patch(base.get(key), value)
+    return out
+
+
+def _pointer(path: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
+
+
+def _json_patch(doc: dict, ops: list[dict]) -> dict:
+    """RFC 6902 add / replace / remove (the ops our overlays use)."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        *parents, last = _pointer(op["path"])
+        node: Any = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        kind = op["op"]
+        if isinstance(node, list):
+            index = len(node) if last == "-" else int(last)
+            if kind == "add":
+                node.insert(index, copy.deepcopy(op["value"]))
+            elif kind == "replace":
+                node[index] = copy.deepcopy(op["value"])
+            elif kind == "remove":
+                del node[index]
+            else:
+                raise NotImplementedError(f"JSON patch op {kind}")
+        else:
+            if kind in ("replace", "remove") and last not in node:
+                raise KeyError(f"JSON patch {kind} of missing path {op['path']}")
+            if kind in ("add", "replace"):
+                node[last] = copy.deepcopy(op["value"])
+            elif kind == "remove":
+                del node[last]
+            else:
+                raise NotImplementedError(f"JSON patch op {kind}")
+    return doc
+
+
+def _matches(doc: dict, target: dict) -> bool:
+    group, _, version = doc["apiVersion"].rpartition("/")
+    checks = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"]}
+    return all(target[k] == v for k, v in checks.items() if k in target)
+
+
+def _contains_list(value: Any) -> bool:
+    if isinstance(value, list):
+        return True
+    return isinstance(value, dict) and any(_contains_list(v) for v in value.values())
+
+
+def render_kustomization(directory: Path) -> list[dict]:
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unsupported = set(spec) - {"apiVersion", "kind", "namespace", "resources", "patches"}
+    if unsupported:
+        raise NotImplementedError(f"{directory}: renderer does not support {sorted(unsupported)}")
+    docs: list[dict] = []
+    for entry in spec.get("resources", []):
+        path = (directory / entry).resolve()
+        docs += render_kustomization(path) if path.is_dir() else _load_all(path)
+    for entry in spec.get("patches", []):
+        if set(entry) - {"path", "target"}:
+            raise NotImplementedError(f"{directory}: patch fields {sorted(entry)}")
+        patch = yaml.safe_load((directory / entry["path"]).read_text())
+        if isinstance(patch, list):
+            target = entry["target"]
+            apply: Callable[[dict], dict] = lambda d, p=patch: _json_patch(d, p)
+        else:
+            group, _, version = patch["apiVersion"].rpartition("/")
+            target = entry.get("target") or {
+                "group": group, "version": version, "kind": patch["kind"], "name": patch["metadata"]["name"]
+            }
+            if target["kind"] not in CRD_FILES and _contains_list(patch):
+                raise NotImplementedError("strategic-merge lists of built-in kinds need merge keys: not supported")
+            body = {k: v for k, v in patch.items() if k not in ("apiVersion", "kind")}
+            apply = lambda d, p=body: _merge_patch(d, p)
+        hits = [i for i, d in enumerate(docs) if _matches(d, target)]
+        assert len(hits) == 1, f"{directory}/{entry['path']}: target {target} matched {len(hits)} resources"
+        docs[hits[0]] = apply(docs[hits[0]])
+    if "namespace" in spec:
+        for doc in docs:
+            if doc["kind"] not in CLUSTER_SCOPED:
+                doc.setdefault("metadata", {})["namespace"] = spec["namespace"]
+    return docs
+
+
+@lru_cache(maxsize=None)
+def _rendered(name: str) -> tuple[str, ...]:
+    return tuple(json.dumps(d) for d in render_kustomization(K8S / name))
+
+
+def rendered(name: str) -> list[dict]:
+    return [json.loads(d) for d in _rendered(name)]
+
+
+def _key(doc: dict) -> tuple:
+    return (doc["apiVersion"], doc["kind"], doc["metadata"].get("namespace"), doc["metadata"]["name"])
+
+
+# --------------------------------------------------------------------------- CRD -> JSON Schema
+
+_PASS_THROUGH = {
+    "type", "required", "enum", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "minLength", "maxLength", "minItems", "maxItems", "uniqueItems", "minProperties", "maxProperties", "multipleOf",
+}
+_IGNORED = {"description", "default", "example", "title", "x-kubernetes-map-type", "x-kubernetes-validations"}
+
+
+def crd_json_schema(node: dict, strict: bool = True) -> dict:
+    """One CRD ``openAPIV3Schema`` node as a JSON Schema (draft 2020-12).
+
+    - ``type: object`` with ``properties`` gets ``additionalProperties: false`` (strict field
+      validation: the API server would reject, not prune, an unknown field), unless the node has
+      ``x-kubernetes-preserve-unknown-fields: true``. An object with neither properties nor
+      additionalProperties is free-form.
+    - ``x-kubernetes-int-or-string`` becomes ``anyOf: [integer, string]``; ``nullable`` adds null.
+    - ``x-kubernetes-embedded-resource`` requires apiVersion and kind and admits them (and metadata).
+    - ``x-kubernetes-list-type: set`` -> ``uniqueItems``; ``map`` keeps ``x-kubernetes-list-map-keys``,
+      which the validator below enforces (no two items with the same key values).
+    - CEL ``x-kubernetes-validations``, defaults, descriptions and ``x-kubernetes-map-type`` do not
+      constrain an object being created: dropped. Any other keyword fails the conversion loudly.
+    """
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _PASS_THROUGH:
+            out[key] = value
+        elif key == "properties":
+            out[key] = {k: crd_json_schema(v, strict) for k, v in value.items()}
+        elif key == "items":
+            out[key] = crd_json_schema(value, strict)
+        elif key == "additionalProperties":
+            out[key] = value if isinstance(value, bool) else crd_json_schema(value, strict)
+        elif key in ("anyOf", "allOf", "oneOf"):
+            out[key] = [crd_json_schema(v, strict) for v in value]
+        elif key == "not":
+            out[key] = crd_json_schema(value, strict)
+        elif key == "x-kubernetes-list-type":
+            if value == "set":
+                out["uniqueItems"] = True
+        elif key == "x-kubernetes-list-map-keys":
+            out[key] = value
+        elif key in ("x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
+                     "x-kubernetes-embedded-resource", "nullable"):
+            pass
+        elif key in _IGNORED:
+            pass
+        else:
+            raise ValueError(f"CRD schema keyword not handled: {key}")
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        if "anyOf" not in out:
+            out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("x-kubernetes-embedded-resource"):
+        out.setdefault("properties", {})
+        out["properties"].setdefault("apiVersion", {"type": "string"})
+        out["properties"].setdefault("kind", {"type": "string"})
+        out["properties"].setdefault("metadata", {"type": "object"})
+        out["required"] = sorted(set(out.get("required", [])) | {"apiVersion", "kind"})
+    if (
+        strict
+        and out.get("type") == "object"
+        and "properties" in out
+        and "additionalProperties" not in out
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"] if isinstance(out["type"], str) else [*out["type"], "null"]
+    return out
+
+
+def _list_map_keys(validator, keys, instance, schema):
+    if not validator.is_type(instance, "array"):
+        return
+    seen: set = set()
+    for item in instance:
+        if not isinstance(item, dict):
+            continue
+        ident = tuple(json.dumps(item.get(k)) for k in keys)
+        if ident in seen:
+            yield jsonschema.ValidationError(f"duplicate item for list-map keys {keys}: {dict(zip(keys, ident))}")
+        seen.add(ident)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator, {"x-kubernetes-list-map-keys": _list_map_keys}
+)
+
+
+@lru_cache(maxsize=1)
+def _k8s_definitions() -> Resource:
+    latest = kubernetes_validate.utils.latest_version()
+    ref = importlib_resources.files("kubernetes_validate").joinpath(
+        f"kubernetes-json-schema/v{latest}-local-strict/_definitions.json"
+    )
+    return Resource.from_contents(json.loads(ref.read_text()))
+
+
+@lru_cache(maxsize=None)
+def crd_validator(kind: str, api_version: str = "ray.io/v1", part: str | None = None):
+    crd = yaml.safe_load((KUBERAY / CRD_FILES[kind]).read_text())
+    group, version = api_version.split("/")
+    assert crd["spec"]["group"] == group, (crd["spec"]["group"], api_version)
+    (schema,) = [v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version]
+    out = crd_json_schema(schema)
+    # The API server validates a custom resource's root metadata as ObjectMeta.
+    out["properties"]["metadata"] = {"$ref": OBJECT_META_REF}
+    out["properties"]["apiVersion"] = {"const": api_version}
+    out["properties"]["kind"] = {"const": kind}
+    out["required"] = sorted(set(out.get("required", [])) | {"apiVersion", "kind", "metadata", "spec"})
+    if part == "spec":
+        out = out["properties"]["spec"]
+    registry = Registry().with_resource("https://kubernetes.io/api/_definitions.json", _k8s_definitions())
+    return _Validator(out, registry=registry)
+
+
+# --------------------------------------------------------------------------- checks
+
+def _error_text(e: jsonschema.ValidationError) -> str:
+    return f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+
+
+def _unknown_keys(data: dict, model: Any, where: str) -> list[str]:
+    fields = set(getattr(model, "model_fields", None) or model.__fields__)
+    return [f"serve: unknown key {where}.{k}" for k in data if k not in fields]
+
+
+def serve_config_problems(config: Any, where: str) -> list[str]:
+    """Ray's schema, keys it would ignore, our config, and deployment overrides."""
+    from ray.serve.schema import DeploymentSchema, HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema
+
+    if not isinstance(config, dict):
+        return [f"serve: {where} is not a mapping"]
+    problems = _unknown_keys(config, ServeDeploySchema, where)
+    problems += _unknown_keys(config.get("http_options") or {}, HTTPOptionsSchema, f"{where}.http_options")
+    try:
+        parse = getattr(ServeDeploySchema, "model_validate", None) or ServeDeploySchema.parse_obj
+        parse(config)
+    except Exception as e:  # pydantic's ValidationError (v1 or v2 flavour)
+        problems.append(f"serve: {where}: {e}")
+    for i, app in enumerate(config.get("applications") or []):
+        at = f"{where}.applications[{i}]"
+        problems += _unknown_keys(app, ServeApplicationSchema, at)
+        for j, dep in enumerate(app.get("deployments") or []):
+            problems += _unknown_keys(dep, DeploymentSchema, f"{at}.deployments[{j}]")
+            if dep.get("name") not in APP_DEPLOYMENTS:
+                problems.append(f"serve: {at}: no deployment named {dep.get('name')!r} in the app")
+            if dep.get("name") == "RolloutAffinity" and {"num_replicas", "autoscaling_config"} & set(dep):
+                problems.append(f"serve: {at}: size RolloutAffinity with service.num_affinity_replicas")
+        if app.get("import_path") != "rollout_service.serve.app:build_app":
+            problems.append(f"serve: {at}: unexpected import_path {app.get('import_path')!r}")
+        try:
+            RolloutServiceConfig.from_args(app.get("args"))
+        except Exception as e:
+            problems.append(f"args: {at}: {e}")
+    return problems
+
+
+def _serve_config(rayservice: dict) -> Any:
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+def _ray_containers(cluster_spec: dict) -> list[tuple[str, dict, dict]]:
+    groups = [("head", cluster_spec["headGroupSpec"])] + [
+        (g["groupName"], g) for g in cluster_spec.get("workerGroupSpecs", [])
+    ]
+    return [(name, group, group["template"]["spec"]["containers"][0]) for name, group in groups]
+
+
+def _quantity(value: Any) -> float:
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def rayservice_consistency_problems(rs: dict) -> list[str]:
+    problems: list[str] = []
+    cluster = rs["spec"]["rayClusterConfig"]
+    if cluster.get("rayVersion") != ray.__version__:
+        problems.append(f"consistency: rayVersion {cluster.get('rayVersion')} != installed Ray {ray.__version__}")
+    containers = _ray_containers(cluster)
+    for name, _, c in containers:
+        tag = c["image"].rpartition(":")[2]
+        if c["image"].startswith("rayproject/ray:") and not tag.startswith(ray.__version__):
+            problems.append(f"consistency: {name} image {c['image']} is not Ray {ray.__version__}")
+        env = {e["name"]: e for e in c.get("env", [])}
+        for var in ("ROLLOUT_SERVICE_REDIS_URL", "ROLLOUT_SERVICE_API_KEY"):
+            if "secretKeyRef" not in env.get(var, {}).get("valueFrom", {}):
+                problems.append(f"consistency: {name} container lacks {var} from a Secret")
+        if "readinessProbe" not in c or "livenessProbe" not in c:
+            problems.append(f"consistency: {name} container lacks readiness or liveness probe")
+    workers = [(g, c) for name, g, c in containers if name != "head"]
+    for app in _serve_config(rs).get("applications", []):
+        engine = RolloutServiceConfig.from_args(app.get("args")).engine
+        if engine.device == "cuda":
+            per_pod = [int(_quantity(c["resources"]["limits"].get("nvidia.com/gpu", 0))) for g, c in workers]
+            total = sum(n * g["maxReplicas"] for n, (g, _) in zip(per_pod, workers))
+            need = engine.num_engines * engine.tensor_parallel_size
+            if need > total:
+                problems.append(f"consistency: {need} GPUs needed, worker groups have {total}")
+            if engine.tensor_parallel_size > max(per_pod, default=0):
+                problems.append("consistency: a tensor-parallel group does not fit on one worker pod (STRICT_PACK)")
+        else:
+            total = sum(_quantity(c["resources"]["limits"]["cpu"]) * g["maxReplicas"] for g, c in workers)
+            if engine.num_engines * engine.num_cpus_per_engine > total:
+                problems.append(f"consistency: engines need more CPUs than the worker groups' {total}")
+        flavour = "gpu" if engine.device == "cuda" else "cpu"
+        for name, _, c in containers:
+            if c["image"].startswith("rayproject/ray:") and not c["image"].endswith(f"-{flavour}"):
+                problems.append(f"consistency: {name} image {c['image']} does not match device {engine.device}")
+    return problems
+
+
+def document_problems(doc: dict) -> list[str]:
+    """Schema problems of one rendered document (no imports)."""
+    kind = doc.get("kind")
+    if kind in CRD_FILES:
+        problems = [f"crd: {_error_text(e)}" for e in crd_validator(kind).iter_errors(doc)]
+        if kind == "RayService" and not problems:
+            spec_validator = crd_validator("RayCluster", "ray.io/v1", part="spec")
+            problems += [f"crd(RayCluster): {_error_text(e)}" for e in
+                         spec_validator.iter_errors(doc["spec"]["rayClusterConfig"])]
+            problems += serve_config_problems(_serve_config(doc), "serveConfigV2")
+            if not problems:
+                problems += rayservice_consistency_problems(doc)
+        return problems
+    problems = []
+    for version in K8S_VERSIONS:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            problems.append(f"k8s {version}: {_error_text(e)}")
+    return problems
+
+
+# --------------------------------------------------------------------------- tests: rendering
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_kustomization_renders_and_every_document_validates(name):
+    docs = rendered(name)
+    assert docs
+    problems = [f"{d['kind']}/{d['metadata']['name']}: {p}" for d in docs for p in document_problems(d)]
+    assert problems == []
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_renderer_agrees_with_kustomize_binary(name):
+    binary = shutil.which("kustomize") or shutil.which("kubectl")
+    if binary is None:
+        pytest.skip("no kustomize / kubectl binary: only the Python renderer checked")
+    cmd = [binary, "build" if binary.endswith("kustomize") else "kustomize", str(K8S / name)]
+    theirs = {_key(d): d for d in yaml.safe_load_all(subprocess.run(cmd, check=True, capture_output=True,
+                                                                     text=True, timeout=30).stdout) if d}
+    ours = {_key(d): d for d in rendered(name)}
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_every_secret_reference_is_rendered_or_documented_as_external(name):
+    docs = rendered(name)
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    refs = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "secretKeyRef" in node:
+                refs.add((node["secretKeyRef"]["name"], node["secretKeyRef"]["key"]))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(docs)
+    assert refs
+    for secret, key in refs:
+        if secret in secrets:
+            assert key in secrets[secret].get("stringData", {}) | secrets[secret].get("data", {}), (secret, key)
+        else:
+            assert secret in EXTERNAL_SECRETS[name], f"{secret} neither rendered nor documented as external"
+            assert key in SECRET_KEYS[secret]
+
+
+def test_demo_redis_url_names_a_rendered_service():
+    docs = rendered("overlays/cpu-demo")
+    (secret,) = [d for d in docs if d["kind"] == "Secret"]
+    url = secret["stringData"]["redis-url"]
+    host, _, port = url.removeprefix("redis://").split("/")[0].partition(":")
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert host in services
+    assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
+
+
+@pytest.mark.parametrize("name", ["overlays/cpu-demo", "overlays/gpu"])
+def test_redis_keeps_an_append_only_file_on_a_persistent_volume(name):
+    (sts,) = [d for d in rendered(name) if d["kind"] == "StatefulSet"]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    data_dir = args[args.index("--dir") + 1]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[data_dir] in [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]]
+
+
+# --------------------------------------------------------------------------- tests: Serve configs
+
+
+def _deployment_files() -> list[Path]:
+    return sorted(DEPLOYMENTS.glob("*.yaml"))
+
+
+def test_deployment_files_exist():
+    names = {p.name for p in _deployment_files()}
+    assert {"local-cpu.yaml", "single-node-gpu.yaml", "multi-node-gpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", _deployment_files(), ids=lambda p: p.name)
+def test_serve_config_file_parses_with_ray_and_our_config(path):
+    assert serve_config_problems(yaml.safe_load(path.read_text()), path.name) == []
+
+
+def test_local_cpu_config_is_the_tiny_model_on_cpu():
+    (app,) = yaml.safe_load((DEPLOYMENTS / "local-cpu.yaml").read_text())["applications"]
+    config = RolloutServiceConfig.from_args(app["args"])
+    assert config.engine.model is None and config.engine.device == "cpu"
+
+
+def _import_paths() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in _deployment_files():
+        for app in yaml.safe_load(path.read_text())["applications"]:
+            found.setdefault(app["import_path"], []).append(f"deployments/{path.name}")
+    for name in KUSTOMIZATIONS:
+        for doc in rendered(name):
+            if doc["kind"] == "RayService":
+                for app in _serve_config(doc)["applications"]:
+                    found.setdefault(app["import_path"], []).append(f"k8s/{name}")
+    return found
+
+
+@pytest.mark.parametrize("import_path", sorted(_import_paths()))
+def test_serve_import_path_imports(import_path):
+    """Every import_path of every Serve config names an attribute of an importable module."""
+    module_name, _, attribute = import_path.partition(":")
+    module = importlib.import_module(module_name)
+    users = _import_paths()[import_path]
+    assert getattr(module, attribute, None) is not None, f"{module_name} has no attribute {attribute} (used by {users})"
+
+
+# --------------------------------------------------------------------------- tests: breakage
+
+
+def _demo_rayservice() -> dict:
+    (rs,) = [d for d in rendered("overlays/cpu-demo") if d["kind"] == "RayService"]
+    return rs
+
+
+def _with_args(rs: dict, edit: Callable[[dict], None]) -> dict:
+    config = _serve_config(rs)
+    edit(config["applications"][0]["args"])
+    rs["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    return rs
+
+
+def _with_serve(rs: dict, edit: Callable[[dict], None]) -> dict:
+    config = _serve_config(rs)
+    edit(config)
+    rs["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    return rs
+
+
+def _head(rs: dict) -> dict:
+    return rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def _worker_group(rs: dict) -> dict:
+    return rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+
+
+RAYSERVICE_BREAKAGES = {
+    "replicas is a string": (lambda rs: _worker_group(rs).update(replicas="two"), "crd: spec.rayClusterConfig.workerGroupSpecs.0.replicas"),
+    "serveConfigV2 is a map": (lambda rs: rs["spec"].update(serveConfigV2={"applications": []}), "crd: spec.serveConfigV2"),
+    "unknown spec field": (lambda rs: rs["spec"].update(serveConfig="x"), "crd: spec: Additional properties"),
+    "unknown container field": (lambda rs: _head(rs).update(imagePullPolicyy="Always"), "Additional properties"),
+    "unknown metadata field": (lambda rs: rs["metadata"].update(label={"a": "b"}), "crd: metadata"),
+    "cpu limit is a list": (lambda rs: _head(rs)["resources"]["limits"].update(cpu=[1]), "crd: spec.rayClusterConfig.headGroupSpec"),
+    "duplicate container name": (lambda rs: rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"].append(copy.deepcopy(_head(rs))), "duplicate item"),
+    "worker group without groupName": (lambda rs: _worker_group(rs).pop("groupName"), "'groupName' is a required property"),
+    "wrong kind": (lambda rs: rs.update(apiVersion="ray.io/v2"), "crd: apiVersion"),
+    "unknown engine field": (lambda rs: _with_args(rs, lambda a: a["engine"].update(gpus=1)), "args: "),
+    "engine device tpu": (lambda rs: _with_args(rs, lambda a: a["engine"].update(device="tpu")), "args: "),
+    "tensor parallel on cpu": (lambda rs: _with_args(rs, lambda a: a["engine"].update(tensor_parallel_size=2)), "args: "),
+    "unknown config section": (lambda rs: _with_args(rs, lambda a: a.update(engines={})), "args: "),
+    "typo in serve application key": (lambda rs: _with_serve(rs, lambda c: c["applications"][0].update(route_prefx="/")), "serve: unknown key"),
+    "bad proxy location": (lambda rs: _with_serve(rs, lambda c: c.update(proxy_location="Everywhere")), "serve: serveConfigV2:"),
+    "override of an unknown deployment": (lambda rs: _with_serve(rs, lambda c: c["applications"][0].update(deployments=[{"name": "Engine"}])), "no deployment named"),
+    "affinity replicas set outside the config": (lambda rs: _with_serve(rs, lambda c: c["applications"][0].update(deployments=[{"name": "RolloutAffinity", "num_replicas": 3}])), "num_affinity_replicas"),
+    "more engines than worker CPUs": (lambda rs: _with_args(rs, lambda a: a["engine"].update(num_engines=64)), "consistency: engines need more CPUs"),
+    "gpu engine on cpu images": (lambda rs: _with_args(rs, lambda a: a["engine"].update(device="cuda")), "consistency:"),
+    "redis url not from a secret": (lambda rs: _head(rs).update(env=[{"name": "ROLLOUT_SERVICE_REDIS_URL", "value": "redis://x"}]), "lacks ROLLOUT_SERVICE_REDIS_URL"),
+}
+
+
+def test_demo_rayservice_is_clean_before_it_is_broken():
+    assert document_problems(_demo_rayservice()) == []
+
+
+@pytest.mark.parametrize("breakage", list(RAYSERVICE_BREAKAGES))
+def test_broken_rayservice_fails_for_the_reason_it_was_broken(breakage):
+    edit, expected = RAYSERVICE_BREAKAGES[breakage]
+    rs = _demo_rayservice()
+    edit(rs)
+    problems = document_problems(rs)
+    assert any(expected in p for p in problems), problems
+
+
+def test_int_or_string_accepts_both_an_integer_and_a_string_quantity():
+    rs = _demo_rayservice()
+    _head(rs)["resources"]["limits"].update(cpu=1, memory="3Gi")
+    assert document_problems(rs) == []
+
+
+def test_rayservice_field_that_ray_cluster_spec_lacks_is_caught_in_the_cluster_config():
+    rs = _demo_rayservice()
+    rs["spec"]["rayClusterConfig"]["headGroupSpec"]["replicas"] = 1
+    assert any("headGroupSpec" in p for p in document_problems(rs))
+
+
+def _redis(name: str = "overlays/cpu-demo") -> dict:
+    (sts,) = [d for d in rendered(name) if d["kind"] == "StatefulSet"]
+    return sts
+
+
+BUILTIN_BREAKAGES = {
+    "unknown container field": lambda s: s["spec"]["template"]["spec"]["containers"][0].update(imagePullPolicyy="Always"),
+    "replicas is a string": lambda s: s["spec"].update(replicas="one"),
+    "unknown spec field": lambda s: s["spec"].update(volumeClaimTemplate=[]),
+    "container without name": lambda s: s["spec"]["template"]["spec"]["containers"][0].pop("name"),
+}
+
+
+@pytest.mark.parametrize("breakage", list(BUILTIN_BREAKAGES))
+def test_broken_builtin_manifest_fails_strict_validation(breakage):
+    sts = _redis()
+    assert document_problems(sts) == []
+    BUILTIN_BREAKAGES[breakage](sts)
+    problems = document_problems(sts)
+    assert problems and all(p.startswith("k8s ") for p in problems), problems
+
+
+def test_broken_serve_config_file_fails():
+    config = yaml.safe_load((DEPLOYMENTS / "local-cpu.yaml").read_text())
+    config["applications"][0]["args"]["store"]["ttl_seconds"] = 0
+    config["http_options"]["prot"] = 8000
+    problems = serve_config_problems(config, "local-cpu.yaml")
+    assert any(p.startswith("args: ") and "ttl_seconds" in p for p in problems)
+    assert any("unknown key local-cpu.yaml.http_options.prot" in p for p in problems)
+
+
+def test_renderer_refuses_what_it_does_not_implement(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nimages:\n  - name: x\n")
+    with pytest.raises(NotImplementedError):
+        render_kustomization(tmp_path)
+
+
+def test_crd_converter_handles_preserve_unknown_fields_and_nullable():
+    schema = crd_json_schema({
+        "type": "object",
+        "properties": {
+            "free": {"type": "object", "properties": {"a": {"type": "string"}},
+                     "x-kubernetes-preserve-unknown-fields": True},
+            "closed": {"type": "object", "properties": {"a": {"type": "string"}}},
+            "maybe": {"type": "string", "nullable": True},
+            "port": {"x-kubernetes-int-or-string": True},
+        },
+    })
+    validator = _Validator(schema)
+    assert validator.is_valid({"free": {"a": "x", "b": 1}, "maybe": None, "port": 80})
+    assert validator.is_valid({"port": "http"})
+    assert not validator.is_valid({"closed": {"b": 1}})
+    assert not validator.is_valid({"port": 1.5})
+    with pytest.raises(ValueError):
+        crd_json_schema({"type": "object", "x-kubernetes-something-new": True})
