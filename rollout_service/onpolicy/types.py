@@ -61,6 +61,10 @@ class RolloutState:
     rollout_id: str | None
     turn: int = 0  # completed calls
     segments: list[Segment] = field(default_factory=list)
+    # Transient, never persisted: set by ``state_from_echo`` when the echoed ids show the messages
+    # were edited before the last echoed call (a HistoryConflict as a dict). ``build_prompt``
+    # treats it as a non-monotonic request under the configured policy.
+    pending_conflict: dict[str, Any] | None = None
 
     @property
     def current(self) -> Segment | None:

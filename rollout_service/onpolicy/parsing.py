@@ -1,0 +1,117 @@
+"""Generated ids -> assistant message, with vLLM's own reasoning and tool-call parsers.
+
+Using vLLM's parser classes (looked up by name through its parser managers, exactly as
+``vllm serve --reasoning-parser ... --tool-call-parser ...`` does) keeps our answers identical to
+a vLLM server's for the same ids. The parse only produces the *message*; the ids themselves are
+stored untouched, so parsing can never change what the trainer sees.
+
+Qwen3 note: vLLM's ``qwen3`` reasoning parser starts in the reasoning state when thinking is
+enabled, so text before ``</think>`` is reasoning even when ``<think>`` is not in the output (the
+generation prompt may already contain it), and an output with no ``</think>`` at all is returned
+entirely as reasoning. With ``enable_thinking=False`` nothing is treated as reasoning.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class AssistantOutput:
+    content: str | None
+    reasoning_content: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    text: str = ""  # the decoded generation the parsers saw
+
+    def to_message(self) -> dict[str, Any]:
+        """The OpenAI assistant message (``reasoning_content`` as vLLM names it)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+@functools.lru_cache(maxsize=32)
+def _parser_cls(reasoning_parser: str | None, tool_parser: str | None, key: "_TokenizerKey"):
+    from vllm.parser.parser_manager import ParserManager
+
+    return ParserManager.get_parser(
+        tool_parser_name=tool_parser,
+        reasoning_parser_name=reasoning_parser,
+        enable_auto_tools=tool_parser is not None,
+        tokenizer=key.tok,
+    )
+
+
+class _TokenizerKey:
+    """Hashable by identity so the lru_cache does not try to hash a tokenizer."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __hash__(self):
+        return id(self.tok)
+
+    def __eq__(self, other):
+        return isinstance(other, _TokenizerKey) and other.tok is self.tok
+
+
+def parse_output(
+    gen_ids: list[int],
+    *,
+    tokenizer: Any,
+    reasoning_parser: str | None = "qwen3",
+    tool_parser: str | None = "hermes",
+    tools: list[dict] | None = None,
+    tool_choice: Any = "auto",
+    chat_template_kwargs: dict[str, Any] | None = None,
+    enable_thinking: bool | None = None,
+    prompt_ids: list[int] | None = None,
+) -> AssistantOutput:
+    """Split generated ids into content, reasoning and OpenAI-shaped tool calls.
+
+    ``enable_thinking`` (or ``chat_template_kwargs["enable_thinking"]``) must match what the
+    prompt was rendered with: vLLM's qwen3 parser decides from it whether output starts inside
+    reasoning. ``prompt_ids`` lets parsers that inspect the prompt (an open ``<think>`` at its
+    end) see it, as vLLM's server does.
+    """
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    kwargs = dict(chat_template_kwargs or {})
+    if enable_thinking is not None:
+        kwargs["enable_thinking"] = enable_thinking
+    parser_cls = None
+    if reasoning_parser or tool_parser:
+        parser_cls = _parser_cls(reasoning_parser, tool_parser, _TokenizerKey(tokenizer))
+    request = ChatCompletionRequest(
+        model="rollout-service",
+        messages=[{"role": "user", "content": ""}],
+        tools=tools or None,
+        tool_choice=(tool_choice if tools else "none") if tool_choice is not None else None,
+        chat_template_kwargs=kwargs or None,
+    )
+    if parser_cls is None:
+        text = tokenizer.decode(gen_ids, skip_special_tokens=True)
+        return AssistantOutput(content=text, reasoning_content=None, tool_calls=[], text=text)
+    parser = parser_cls(tokenizer, request.tools, chat_template_kwargs=kwargs)
+    request = parser.adjust_request(request)
+    text = tokenizer.decode(gen_ids, skip_special_tokens=request.skip_special_tokens)
+    if prompt_ids is not None:
+        parser.set_prompt_token_ids(prompt_ids)
+    reasoning, content, calls = parser.parse(
+        text, request, enable_auto_tools=tool_parser is not None, model_output_token_ids=gen_ids
+    )
+    tool_calls = [
+        {
+            "id": c.id or f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for c in (calls or [])
+    ]
+    return AssistantOutput(content=content, reasoning_content=reasoning, tool_calls=tool_calls, text=text)
