@@ -104,13 +104,21 @@ def check_segment_index(enc: EncodedDelta, num_segments: int) -> None:
         )
 
 
+def _json_list(items: list[bytes | str] | None) -> list[Any]:
+    """Parse many stored JSON documents with one ``json.loads`` (a long history has hundreds)."""
+    if not items:
+        return []
+    as_bytes = [i.encode() if isinstance(i, str) else i for i in items]
+    return json.loads(b"[" + b",".join(as_bytes) + b"]")
+
+
 def decode_segment(enc: EncodedSegment) -> Segment:
     return Segment(
         token_ids=np.frombuffer(enc.ids, dtype=IDS_DTYPE).tolist(),
         loss_mask=np.frombuffer(enc.mask, dtype=MASK_DTYPE).tolist(),
         logprobs=np.frombuffer(enc.logprobs, dtype=LOGPROBS_DTYPE).tolist(),
-        turns=[TurnRecord.from_dict(json.loads(t)) for t in enc.turns or ()],
-        messages=[json.loads(m) for m in enc.messages or ()],
+        turns=[TurnRecord.from_dict(t) for t in _json_list(enc.turns)],
+        messages=_json_list(enc.messages),
         render_context=json.loads(enc.render_context) if enc.render_context else {},
     )
 
