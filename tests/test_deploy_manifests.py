@@ -276,7 +276,7 @@ def _k8s_definitions() -> Resource:
 
 @lru_cache(maxsize=None)
 def crd_validator(kind: str, api_version: str = "ray.io/v1", part: str | None = None):
-    crd = yaml.safe_load((KUBERAY / CRD_FILES[kind]).read_text())
+    crd = yaml.load((KUBERAY / CRD_FILES[kind]).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     group, version = api_version.split("/")
     assert crd["spec"]["group"] == group, (crd["spec"]["group"], api_version)
     (schema,) = [v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == version]
