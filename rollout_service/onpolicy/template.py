@@ -219,35 +219,40 @@ class ChatTemplate:
     ) -> None:
         """Refuse a rendering that silently drops a message or a tool call.
 
-        A message passes if its text appears verbatim (or JSON-escaped) and every tool call's name
-        appears. Otherwise its content is replaced by a marker and re-rendered: a template that
-        transforms content (escaping, trimming) still shows the marker; one that drops the
-        message (e.g. an unknown ``tool`` role) does not.
+        A message's text passes if it appears verbatim (or JSON-escaped). Text that does not, and
+        every tool call name (a name also appears in the tools header, so verbatim proves
+        nothing), is replaced by a unique marker and the messages are rendered once more: a
+        template that transforms content (escaping, trimming) still shows the marker; one that
+        drops the message (e.g. an unknown ``tool`` role) or its tool calls does not.
         """
+        probe = list(msgs)
+        wanted: list[tuple[str, int, str]] = []
         for i in indices:
             m = msgs[i]
-            content = m.get("content") or ""
-            ok = True
-            if content.strip():
-                body = content.strip()
-                ok = body in text or json.dumps(body, ensure_ascii=False)[1:-1] in text
-                if not ok:
-                    probe = list(msgs)
-                    probe[i] = {**m, "content": _MARKER}
-                    rendered = self.render(
-                        probe, tools=tools, add_generation_prompt=add_generation_prompt,
-                        chat_template_kwargs=chat_template_kwargs,
-                    )
-                    ok = _MARKER in rendered
-            if not ok:
-                raise UnsupportedConversation(
-                    f"chat template {self.name!r} drops message {index_base + i} (role {m.get('role')!r}) "
-                    "from the prompt", index=index_base + i,
-                )
-            for tc in m.get("tool_calls") or []:
-                fn = tc.get("function", tc)
-                if fn.get("name") and fn["name"] not in text:
-                    raise UnsupportedConversation(
-                        f"chat template {self.name!r} drops the tool calls of message {index_base + i}",
-                        index=index_base + i,
-                    )
+            content = (m.get("content") or "").strip()
+            changed = dict(m)
+            if content and content not in text and json.dumps(content, ensure_ascii=False)[1:-1] not in text:
+                marker = f"{_MARKER}C{i}X"
+                changed["content"] = marker
+                wanted.append((marker, i, "message"))
+            if m.get("tool_calls"):
+                calls = []
+                for j, tc in enumerate(m["tool_calls"]):
+                    marker = f"{_MARKER}T{i}N{j}X"
+                    if "function" in tc:
+                        calls.append({**tc, "function": {**tc["function"], "name": marker}})
+                    else:
+                        calls.append({**tc, "name": marker})
+                    wanted.append((marker, i, "tool calls of message"))
+                changed["tool_calls"] = calls
+            probe[i] = changed
+        if not wanted:
+            return
+        rendered = self.render(
+            probe, tools=tools, add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs
+        )
+        for marker, i, what in wanted:
+            if marker not in rendered:
+                role = msgs[i].get("role")
+                desc = f"drops message {index_base + i} (role {role!r})" if what == "message" else f"drops the tool calls of message {index_base + i}"
+                raise UnsupportedConversation(f"chat template {self.name!r} {desc} from the prompt", index=index_base + i)
