@@ -112,6 +112,7 @@ async def run_appends(store, deltas: list[TurnDelta], rollouts: int, concurrency
     for i in range(rollouts):
         queue.put_nowait(f"bench-{i}")
     latencies: list[float] = []
+    by_turn: dict[int, list[float]] = {}
 
     async def worker() -> None:
         while not queue.empty():
@@ -120,13 +121,18 @@ async def run_appends(store, deltas: list[TurnDelta], rollouts: int, concurrency
                 t0 = time.perf_counter()
                 await store.append_turn(rid, d, expected_turn=d.turn - 1)
                 latencies.append(time.perf_counter() - t0)
+                by_turn.setdefault(d.turn, []).append(latencies[-1])
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     lat = np.asarray(latencies) * 1000
+    tenth = max(1, len(deltas) // 10)
+    first = [x for t in sorted(by_turn)[:tenth] for x in by_turn[t]]
+    last = [x for t in sorted(by_turn)[-tenth:] for x in by_turn[t]]
     return {"ops": len(latencies), "ops_s": len(latencies) / wall, "p50": float(np.percentile(lat, 50)),
-            "p99": float(np.percentile(lat, 99)), "wall": wall}
+            "p99": float(np.percentile(lat, 99)), "wall": wall,
+            "p50_first": 1000 * statistics.median(first), "p50_last": 1000 * statistics.median(last)}
 
 
 async def time_load(store, rid: str, repeats: int) -> float:
@@ -182,10 +188,13 @@ async def main_async(args: argparse.Namespace, url: str) -> None:
     total = args.turns * args.tokens
     print(f"\n{args.rollouts} rollouts x {args.turns} turns of {args.tokens} tokens, {args.concurrency} concurrent; "
           f"Redis {info['redis_version']} (AOF {'everysec' if args.embedded else 'as configured'}); {machine()}\n")
-    print(f"| store | appends | ops/s | p50 ms | p99 ms | load {total // 1000}k-token history (p50 ms) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    tenth = max(1, args.turns // 10)
+    print(f"| store | appends | ops/s | p50 ms | p99 ms | p50 ms, first / last {tenth} turns "
+          f"| load {total // 1000}k-token history (p50 ms) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows:
-        print(f"| {name} | {r['ops']} | {r['ops_s']:,.0f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['load_ms']:.2f} |")
+        print(f"| {name} | {r['ops']} | {r['ops_s']:,.0f} | {r['p50']:.2f} | {r['p99']:.2f} "
+              f"| {r['p50_first']:.2f} / {r['p50_last']:.2f} | {r['load_ms']:.2f} |")
 
 
 def main() -> None:
