@@ -72,16 +72,22 @@ def parse_output(
     chat_template_kwargs: dict[str, Any] | None = None,
     enable_thinking: bool | None = None,
     prompt_ids: list[int] | None = None,
+    stop_token_ids: frozenset[int] | set[int] | None = None,
 ) -> AssistantOutput:
     """Split generated ids into content, reasoning and OpenAI-shaped tool calls.
 
     ``enable_thinking`` (or ``chat_template_kwargs["enable_thinking"]``) must match what the
     prompt was rendered with: vLLM's qwen3 parser decides from it whether output starts inside
     reasoning. ``prompt_ids`` lets parsers that inspect the prompt (an open ``<think>`` at its
-    end) see it, as vLLM's server does.
+    end) see it, as vLLM's server does. Like vLLM's detokenizer, a final stop token (by default
+    any special token, e.g. ``<|im_end|>``) is not part of the parsed text; it stays in the ids.
     """
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+    gen_ids = [int(t) for t in gen_ids]
+    if stop_token_ids is None:
+        stop_token_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    text_ids = gen_ids[:-1] if gen_ids and gen_ids[-1] in stop_token_ids else gen_ids
     kwargs = dict(chat_template_kwargs or {})
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
@@ -96,11 +102,11 @@ def parse_output(
         chat_template_kwargs=kwargs or None,
     )
     if parser_cls is None:
-        text = tokenizer.decode(gen_ids, skip_special_tokens=True)
+        text = tokenizer.decode(text_ids, skip_special_tokens=True)
         return AssistantOutput(content=text, reasoning_content=None, tool_calls=[], text=text)
     parser = parser_cls(tokenizer, request.tools, chat_template_kwargs=kwargs)
     request = parser.adjust_request(request)
-    text = tokenizer.decode(gen_ids, skip_special_tokens=request.skip_special_tokens)
+    text = tokenizer.decode(text_ids, skip_special_tokens=request.skip_special_tokens)
     if prompt_ids is not None:
         parser.set_prompt_token_ids(prompt_ids)
     reasoning, content, calls = parser.parse(
