@@ -64,6 +64,8 @@ class EngineReplica:
         self._llm = None
         self._version = initial_weight_version
         self._in_flight: dict[str, int] = {}
+        self._in_flight_started_on: dict[str, str] = {}  # request id -> weight version at its start
+        self._num_aborted = 0  # generations that ended with finish_reason "abort"
         self._startup_s: float | None = None
         self._start_lock = asyncio.Lock()
 
@@ -146,6 +148,7 @@ class EngineReplica:
             # No prefix-cache hit may cross a refit: KV computed under other weights is not reused.
             prompt["cache_salt"] = f"weights-{self._version}"
         self._in_flight[request.request_id] = len(request.prompt_ids)
+        self._in_flight_started_on[request.request_id] = self._version
         want_top = request.sampling.top_logprobs
         finished = False
         try:
@@ -166,10 +169,13 @@ class EngineReplica:
                     chunk.finish_reason = comp.finish_reason
                     chunk.stop_reason = comp.stop_reason
                     chunk.weight_versions = [(s.version, s.start, s.end) for s in (comp.weight_versions or [])]
+                    if comp.finish_reason == "abort":
+                        self._num_aborted += 1
                 if ids or chunk.finish_reason:
                     yield chunk
         finally:
             self._in_flight.pop(request.request_id, None)
+            self._in_flight_started_on.pop(request.request_id, None)
             if not finished:
                 await llm.abort(request.request_id)
 
@@ -226,6 +232,20 @@ class EngineReplica:
 
     def num_in_flight(self) -> int:
         return len(self._in_flight)
+
+    def in_flight_versions(self) -> dict[str, str]:
+        """Request id -> the weight version it started on (the refit controller computes lag)."""
+        return dict(self._in_flight_started_on)
+
+    def num_aborted(self) -> int:
+        """Generations that ended with finish_reason ``abort`` since start (a refit must add none)."""
+        return self._num_aborted
+
+    async def stage_weights_from_object_store(self, refs: list, timeout: float | None = None) -> dict[str, Any]:
+        """Object-store transport, engine side (the worker is not connected to Ray): see refit.transports."""
+        from rollout_service.refit.transports import stage_object_store_in_engine
+
+        return await stage_object_store_in_engine(self, refs, timeout)
 
     async def health(self) -> dict[str, Any]:
         """Cheap liveness + state summary; raises EngineUnavailable if the engine is gone."""

@@ -1,21 +1,60 @@
 """Methods added to every vLLM worker (``worker_extension_cls``), reached by ``collective_rpc``.
 
 Weights must be received *inside* the worker: passing tensors as ``collective_rpc`` arguments
-through AsyncLLM fails and can leave a half-loaded model (FIELD-NOTES). So the worker itself
-reads a checkpoint path, pulls from the Ray object store, or joins a collective group, and loads
-through vLLM's in-place ``reload_weights`` (copying into parameters directly has no effect on CPU,
-where the model computes from packed copies).
+through AsyncLLM fails and can leave a half-loaded model (FIELD-NOTES). Measured here: even with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker runs in an EngineCore *subprocess* of the engine
+actor, reached through msgpack (functions and tensors are not serializable there), and that
+process is not connected to Ray. So the worker itself joins a gloo group, reads a safetensors file
+the engine actor wrote, or reads a checkpoint directory, and loads through vLLM's in-place
+``reload_weights`` (copying into parameters directly has no effect on CPU, where the model computes
+from packed copies).
+
+A refit is staged, loaded, then committed, so a failure at any point leaves consistent weights:
+
+- ``rs_stage_*`` receives the new state dict without touching the model (a failed transfer is
+  dropped with no effect);
+- ``rs_load_staged`` loads it, remembering the source of the weights it replaces;
+- ``rs_commit`` forgets that source; ``rs_rollback`` reloads it (the model may be half-loaded
+  after a failed load, or loaded while another engine failed).
+
+The source of the current weights is kept as a CPU copy of the received tensors (collective,
+object store) or as a checkpoint path (path transport, and the model's own path at start).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 from typing import Any
+
+
+class _Source:
+    """Where the weights came from: a checkpoint directory, or checkpoint-format tensors in memory."""
+
+    def __init__(self, *, path: str | None = None, tensors: list[tuple[str, Any]] | None = None):
+        assert (path is None) != (tensors is None)
+        self.path = path
+        self.tensors = tensors
+
+    @property
+    def nbytes(self) -> int:
+        if self.tensors is None:
+            return 0
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    def describe(self) -> str:
+        return f"path {self.path}" if self.path else f"{len(self.tensors)} tensors in memory"
+
+
+class _InjectedLoadFault(RuntimeError):
+    pass
 
 
 class RolloutWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner`` etc.)."""
 
+    # ---------------------------------------------------------------- diagnostics
     def rs_weights_checksum(self) -> str:
         """sha256 over the model's parameters (name, dtype, bytes) as loaded in this worker."""
         import torch
@@ -30,15 +69,158 @@ class RolloutWorkerExtension:
                 h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return h.hexdigest()
 
-    def rs_reload_from_path(self, path: str) -> None:
-        """Load a HF-format checkpoint directory in place."""
-        self.reload_weights(weights_path=path)
-
-    def rs_reload_from_tensors(self, named_tensors: list[tuple[str, Any]]) -> None:
-        """Load (name, tensor) pairs that arrived inside this worker (object store, collective)."""
-        self.reload_weights(weights_iterator=iter(named_tensors))
-
     def rs_param_shapes(self) -> list[tuple[str, list[int], str]]:
         """Checkpoint-format names are what the trainer sends; exposed for diagnostics."""
         model = self.model_runner.get_model()
         return [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+
+    def rs_process_info(self) -> dict[str, Any]:
+        """Where this worker runs (pid, parent, whether Ray is connected here), for docs and tests."""
+        try:
+            import ray
+
+            ray_connected = bool(ray.is_initialized())
+        except Exception:  # pragma: no cover - ray always importable in our images
+            ray_connected = False
+        return {"pid": os.getpid(), "ppid": os.getppid(), "ray_connected": ray_connected, "rank": self.rank}
+
+    # ------------------------------------------------------- direct (unstaged) loads
+    def rs_reload_from_path(self, path: str) -> None:
+        """Load a HF-format checkpoint directory in place (no rollback bookkeeping)."""
+        self.reload_weights(weights_path=path)
+
+    def rs_reload_from_tensors(self, named_tensors: list[tuple[str, Any]]) -> None:
+        """Load (name, tensor) pairs that arrived inside this worker (no rollback bookkeeping)."""
+        self.reload_weights(weights_iterator=iter(named_tensors))
+
+    # ------------------------------------------------------------ collective group
+    def rs_weight_sync_init(
+        self, host: str, port: int, world_size: int, rank_offset: int, group_name: str, timeout_s: float
+    ) -> int:
+        """Join the trainer's dedicated gloo group (never the default group). Returns this rank."""
+        from rollout_service.refit.collective import open_group
+
+        self.rs_weight_sync_close()
+        rank = rank_offset + int(self.rank)
+        self._rs_group = open_group(host, port, world_size, rank, group_name, timeout_s)
+        return rank
+
+    def rs_weight_sync_close(self) -> None:
+        self._rs_group = None
+
+    # ----------------------------------------------------------------- staging
+    def _rs_state(self):
+        if not hasattr(self, "_rs_current"):
+            # Before any refit the weights are the model's own checkpoint.
+            self._rs_current = _Source(path=self.model_runner.vllm_config.model_config.model)
+            self._rs_previous = None
+            self._rs_staged = None
+        return self
+
+    def rs_stage_collective(self, plan_json: str) -> dict[str, Any]:
+        """Receive every bucket of the broadcast; the model is not touched."""
+        from rollout_service.refit.collective import BucketPlan, receive_buckets
+
+        self._rs_state()
+        group = getattr(self, "_rs_group", None)
+        if group is None:
+            raise RuntimeError("no weight-sync group: call init_weight_sync first")
+        self._rs_staged = None
+        t0 = time.perf_counter()
+        tensors = receive_buckets(group, BucketPlan.from_json(plan_json))
+        self._rs_staged = _Source(tensors=tensors)
+        return {"bytes": self._rs_staged.nbytes, "seconds": time.perf_counter() - t0}
+
+    def rs_stage_safetensors_file(self, path: str, delete: bool = True) -> dict[str, Any]:
+        """Read a safetensors file the engine actor wrote (object-store transport) into memory."""
+        from safetensors.torch import load_file
+
+        self._rs_state()
+        self._rs_staged = None
+        t0 = time.perf_counter()
+        try:
+            tensors = list(load_file(path).items())
+        finally:
+            if delete:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        self._rs_staged = _Source(tensors=tensors)
+        return {"bytes": self._rs_staged.nbytes, "seconds": time.perf_counter() - t0}
+
+    def rs_stage_path(self, path: str) -> dict[str, Any]:
+        """Checkpoint-directory transport: nothing to receive, the load reads the files."""
+        self._rs_state()
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {path}")
+        nbytes = sum(
+            os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")
+        )
+        self._rs_staged = _Source(path=path)
+        return {"bytes": nbytes, "seconds": 0.0}
+
+    def rs_discard_staged(self) -> None:
+        self._rs_state()
+        self._rs_staged = None
+
+    # -------------------------------------------------------- load / commit / rollback
+    def rs_load_staged(self, fail_after_tensors: int | None = None) -> dict[str, Any]:
+        """Load the staged state dict in place. ``fail_after_tensors`` injects a fault (tests only)."""
+        self._rs_state()
+        staged = self._rs_staged
+        if staged is None:
+            raise RuntimeError("nothing staged to load")
+        self._rs_staged = None
+        self._rs_previous, self._rs_current = self._rs_current, staged
+        t0 = time.perf_counter()
+        if fail_after_tensors is not None:
+            self.reload_weights(weights_iterator=_failing_iter(_tensors_of(staged), fail_after_tensors))
+        else:
+            self._rs_load(staged)
+        return {"seconds": time.perf_counter() - t0}
+
+    def rs_commit(self) -> None:
+        self._rs_state()
+        self._rs_previous = None
+
+    def rs_rollback(self) -> dict[str, Any]:
+        """Reload the weights that were current before the last ``rs_load_staged`` (no-op if none)."""
+        self._rs_state()
+        self._rs_staged = None
+        previous = self._rs_previous
+        if previous is None:
+            return {"reloaded": False}
+        t0 = time.perf_counter()
+        self._rs_load(previous)
+        self._rs_current, self._rs_previous = previous, None
+        return {"reloaded": True, "source": previous.describe(), "seconds": time.perf_counter() - t0}
+
+    def rs_reload_current(self) -> dict[str, Any]:
+        """Reload the last committed source (GPU NCCL path: vLLM loaded in place and failed mid-way)."""
+        self._rs_state()
+        t0 = time.perf_counter()
+        self._rs_load(self._rs_current)
+        return {"source": self._rs_current.describe(), "seconds": time.perf_counter() - t0}
+
+    def _rs_load(self, source: _Source) -> None:
+        if source.path is not None:
+            self.reload_weights(weights_path=source.path)
+        else:
+            self.reload_weights(weights_iterator=iter(source.tensors))
+
+
+def _tensors_of(source: _Source):
+    if source.tensors is not None:
+        return iter(source.tensors)
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    import glob
+
+    return safetensors_weights_iterator(sorted(glob.glob(os.path.join(source.path, "*.safetensors"))), False)
+
+
+def _failing_iter(it, n: int):
+    for i, item in enumerate(it):
+        if i >= n:
+            raise _InjectedLoadFault(f"injected load fault after {n} tensors")
+        yield item

@@ -1,0 +1,139 @@
+"""How new weights reach the engine workers: one strategy per transport.
+
+A transport only *stages* the new state dict inside every worker (nothing is loaded yet); the
+controller then loads, commits or rolls back the same way whatever the transport. Each strategy is
+a small picklable object the trainer-side client builds and the controller runs (``stage``).
+
+- :class:`CollectiveTransfer` — the trainer (rank 0) broadcasts buckets over the dedicated gloo
+  group set up by ``init_weight_sync``; every worker receives them itself (``rs_stage_collective``).
+  The trainer sends concurrently with the controller's call (see ``client.TrainerClient.refit``).
+- :class:`ObjectStoreTransfer` — a Ray object ref of a ``{name: tensor}`` state dict. The EngineCore
+  subprocess that hosts the worker is not connected to Ray, and tensors cannot travel as
+  ``collective_rpc`` arguments, so the engine *actor* resolves the ref and writes one safetensors
+  file to ``/dev/shm`` (same node, page cache); the worker reads it and the file is deleted.
+- :class:`CheckpointPathTransfer` — a HF-format checkpoint directory every engine node can read.
+- :class:`ControllerWeightSyncClient` — GPU only, vLLM's native ``WeightTransferConfig(backend="nccl")``
+  engine driven through the controller; written against vLLM's API and **not run here** (no GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+# Dedicated to our worker-extension methods (rollout_service.engine.worker_extension).
+STAGE_COLLECTIVE = "rs_stage_collective"
+STAGE_FILE = "rs_stage_safetensors_file"
+STAGE_PATH = "rs_stage_path"
+
+
+async def _fan_out(calls, timeout_s: float) -> list[Any]:
+    return list(await asyncio.wait_for(asyncio.gather(*calls), timeout=timeout_s))
+
+
+def _bytes_of(results: list[list[dict[str, Any]]]) -> int:
+    """Bytes staged per engine (every engine receives the full state dict): the max over engines."""
+    return max((w["bytes"] for per_engine in results for w in per_engine), default=0)
+
+
+@dataclass
+class CollectiveTransfer:
+    plan_json: str
+    total_bytes: int
+    kind: str = "collective"
+
+    async def stage(self, engines: Sequence[Any], timeout_s: float) -> int:
+        calls = [e.collective_rpc.remote(STAGE_COLLECTIVE, args=(self.plan_json,), timeout=timeout_s) for e in engines]
+        return _bytes_of(await _fan_out(calls, timeout_s))
+
+
+@dataclass
+class ObjectStoreTransfer:
+    refs: list  # [ObjectRef of {name: tensor}]; wrapped in a list so Ray does not resolve it on the way
+    kind: str = "object_store"
+
+    async def stage(self, engines: Sequence[Any], timeout_s: float) -> int:
+        calls = [e.stage_weights_from_object_store.remote(self.refs, timeout_s) for e in engines]
+        return _bytes_of(await _fan_out(calls, timeout_s))
+
+
+@dataclass
+class CheckpointPathTransfer:
+    path: str
+    kind: str = "path"
+
+    async def stage(self, engines: Sequence[Any], timeout_s: float) -> int:
+        calls = [e.collective_rpc.remote(STAGE_PATH, args=(self.path,), timeout=timeout_s) for e in engines]
+        return _bytes_of(await _fan_out(calls, timeout_s))
+
+
+class ControllerWeightSyncClient:
+    """GPU: vLLM's ``VLLMWeightSyncClient`` protocol over our controller, for vLLM's trainer-side
+    ``NCCLTrainerWeightTransferEngine`` (``WeightTransferConfig(backend="nccl")``).
+
+    **Unverified here (no GPU).** vLLM's trainer engine drives the round trip
+    (``start_weight_update`` / ``update_weights`` concurrently with its NCCL broadcast /
+    ``finish_weight_update``); each call is fanned out to every engine by the controller, which
+    pauses (keep) before the round and labels + resumes after it. The engines must be started with
+    ``extra_engine_args={"weight_transfer_config": {"backend": "nccl"}}``. vLLM loads in place
+    while receiving, so this path has no stage / load split: a failed round is rolled back by
+    reloading the last good checkpoint path (``RefitController.nccl_abort``).
+    """
+
+    def __init__(self, controller, version: str | None = None, timeout_s: float = 300.0):
+        self.controller = controller
+        self.version = version
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, *args):
+        import ray
+
+        return ray.get(getattr(self.controller, method).remote(*args), timeout=self.timeout_s)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("nccl_init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("nccl_start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._call("nccl_update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("nccl_finish_weight_update", weight_version or self.version)
+
+
+Transfer = CollectiveTransfer | ObjectStoreTransfer | CheckpointPathTransfer
+
+
+# ----------------------------------------------------------------------------- engine-actor side
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _write_safetensors(state_dict, path: str) -> int:
+    from safetensors.torch import save_file
+
+    items = state_dict.items() if hasattr(state_dict, "items") else state_dict
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in items}
+    save_file(tensors, path)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+async def stage_object_store_in_engine(replica, refs: list, timeout_s: float | None) -> dict[str, Any]:
+    """Runs in the engine actor: resolve the ref, hand the tensors to the worker through a shm file."""
+    if not refs:
+        raise ValueError("object-store transfer needs one object ref")
+    state_dict = await refs[0]
+    path = os.path.join(_shm_dir(), f"rs-refit-{os.getpid()}-{uuid.uuid4().hex}.safetensors")
+    try:
+        await asyncio.to_thread(_write_safetensors, state_dict, path)
+        del state_dict
+        return await replica.collective_rpc(STAGE_FILE, args=(path, True), timeout=timeout_s)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

@@ -1,0 +1,59 @@
+"""What a refit returns or raises. Plain Python: the trainer imports these without vLLM or Ray."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RefitReport:
+    """One refit, as the trainer sees it. Seconds are wall time of each step over all engines."""
+
+    version: str
+    previous_version: str
+    transport: str
+    ok: bool = False
+    bytes: int = 0  # bytes of the state dict each engine received
+    num_tensors: int | None = None
+    pause_s: float = 0.0  # pause(keep) on every engine
+    transfer_s: float = 0.0  # stage the new state dict in every worker (model untouched)
+    load_s: float = 0.0  # in-place reload_weights in every worker
+    resume_s: float = 0.0  # label + commit + resume
+    total_s: float = 0.0  # pause start -> resume done (the engines' stall)
+    clear_cache: bool = False
+    requests_in_flight: int = 0  # requests frozen by the pause and kept (mode="keep")
+    requests_aborted: int = 0  # must be 0
+    error: str | None = None
+    failed_step: str | None = None
+    rolled_back: bool = False
+    worker_timings: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def transfer_gbps(self) -> float:
+        return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RefitInProgress(RuntimeError):
+    """A refit is already running on this service; refits are never interleaved."""
+
+
+class RefitFailed(RuntimeError):
+    """The refit did not happen. Every engine was resumed on the previous weights and version.
+
+    ``report`` (a dict, see :class:`RefitReport`) says which step failed and how long each took.
+    """
+
+    def __init__(self, message: str, report: dict[str, Any] | None = None):
+        super().__init__(message, report)
+        self.report = report or {}
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class WeightSyncNotInitialized(RuntimeError):
+    """The collective transport needs ``init_weight_sync`` first (or again, after a broken group)."""
