@@ -1,0 +1,259 @@
+"""OpenAI wire models (chat, responses, completions, tokenize, models, errors) and our extensions.
+
+Requests are validated here, at the edge, so a client mistake becomes a 400 naming the field
+before anything touches a rollout. Unknown extra fields are accepted (agents send vendor extras);
+fields we do read are typed strictly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+# ----------------------------------------------------------------------------- errors
+class ServiceError(Exception):
+    """An error with its HTTP status, rendered as the OpenAI error envelope."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def envelope(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_result(self) -> dict[str, Any]:
+        """Tagged form that crosses a Serve handle without exception wrapping."""
+        return {"__error__": self.status, **self.envelope()}
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> "ServiceError":
+        e = result["error"]
+        return cls(result["__error__"], e["message"], type=e.get("type") or "", param=e.get("param"), code=e.get("code"))
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ServiceError:
+    return ServiceError(400, message, param=param, code=code)
+
+
+# ----------------------------------------------------------------------------- chat
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    # NeMo Gym echo fields (stateless mode)
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
+    generation_log_probs: list[float] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts_are_text(cls, v):
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
+                    raise ValueError(f"content part {i}: only text parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {i}: 'text' must be a string")
+        return v
+
+    @model_validator(mode="after")
+    def _role_rules(self):
+        if self.role == "tool" and self.content is None:
+            raise ValueError("a tool message needs content")
+        if self.role in ("user", "system", "developer") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def to_plain(self) -> dict[str, Any]:
+        """A plain dict for the on-policy core: text content, developer -> system, OpenAI tool-call shape."""
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        d["content"] = content_text(self.content)
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            d["reasoning_content"] = reasoning
+        for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = v
+        return d
+
+
+def content_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in content)
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class SamplingFields(_Lenient):
+    """Sampling fields shared by chat, responses and completions (OpenAI + vLLM extras)."""
+
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        keys = ("n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                "skip_special_tokens", "include_stop_str_in_output")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.get("name")
+            if not self.tools or name not in {t.function.name for t in self.tools}:
+                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+
+# ----------------------------------------------------------------------------- completions
+class CompletionRequest(SamplingFields):
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]]
+    stream: bool = False
+    logprobs: int | None = None
+    echo: bool = False
+    return_token_ids: bool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (list, str)):
+            if len(v) != 1:
+                raise ValueError("exactly one prompt per request is supported")
+            v = v[0]
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt token list is empty")
+            if any((not isinstance(t, int)) or t < 0 for t in v):
+                raise ValueError("prompt token ids must be non-negative integers")
+        elif v == "":
+            raise ValueError("prompt is empty")
+        return v
+
+
+# ----------------------------------------------------------------------------- responses
+class ResponsesRequest(SamplingFields):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    max_output_tokens: int | None = None
+    stream: bool = False
+    reasoning: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, v):
+        if (isinstance(v, str) and not v) or (isinstance(v, list) and not v):
+            raise ValueError("input is empty")
+        return v
+
+
+# ----------------------------------------------------------------------------- tokenize
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        return self
