@@ -42,6 +42,29 @@ class PromptPlan:
     prompt_text: str | None = field(default=None, repr=False)  # rendered text of added_prompt_ids
 
 
+class _LazyRendered:
+    """Template-form messages, normalized on first access: a monotonic turn touches only the
+    bounded window and the new messages, so normalizing the whole history would make each turn
+    cost grow with the rollout."""
+
+    def __init__(self, messages: list[Any]):
+        self._raw = messages
+        self._done: dict[int, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self._raw)))]
+        if i < 0:
+            i += len(self._raw)
+        m = self._done.get(i)
+        if m is None:
+            m = self._done[i] = render_message(self._raw[i])
+        return m
+
+
 def _normalize_tools(tools: list[dict] | None) -> list[dict] | None:
     if not tools:
         return None
@@ -75,7 +98,7 @@ def build_prompt(
     if not messages:
         raise ValueError("messages must not be empty")
     canon = [canonical_message(m) for m in messages]
-    rendered = [render_message(m) for m in messages]
+    rendered = _LazyRendered(messages)
     ctx = render_context(tools, chat_template_kwargs)
     kwargs = ctx["chat_template_kwargs"]
     seg = state.current if state is not None else None
@@ -109,7 +132,7 @@ def build_prompt(
         if history_policy == "reject":
             raise conflict
 
-    text = template.render_prompt(rendered, tools=ctx["tools"], chat_template_kwargs=kwargs)
+    text = template.render_prompt(rendered[:], tools=ctx["tools"], chat_template_kwargs=kwargs)
     ids = template.encode(text)
     return PromptPlan(
         prompt_ids=ids,
