@@ -48,6 +48,7 @@ class GenerationChunk:
     weight_versions: list[tuple[str, int, int]] | None = None  # (version, start, end) over generated ids
     num_prompt_tokens: int = 0
     engine_index: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (final chunk)
 
 
 class EngineUnavailable(RuntimeError):
@@ -90,6 +91,10 @@ class EngineReplica:
             worker_extension_cls=WORKER_EXTENSION_CLS,
             disable_log_stats=True,
         )
+        if c.compact_structured_json:
+            from vllm.config import StructuredOutputsConfig
+
+            kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
         if c.head_dtype:
             kwargs["hf_overrides"] = {"head_dtype": c.head_dtype}
         if c.device == "cuda":
@@ -169,6 +174,7 @@ class EngineReplica:
                     chunk.finish_reason = comp.finish_reason
                     chunk.stop_reason = comp.stop_reason
                     chunk.weight_versions = [(s.version, s.start, s.end) for s in (comp.weight_versions or [])]
+                    chunk.num_cached_tokens = getattr(out, "num_cached_tokens", None)
                     if comp.finish_reason == "abort":
                         self._num_aborted += 1
                 if ids or chunk.finish_reason:

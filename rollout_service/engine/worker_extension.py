@@ -175,7 +175,7 @@ class RolloutWorkerExtension:
         self._rs_previous, self._rs_current = self._rs_current, staged
         t0 = time.perf_counter()
         if fail_after_tensors is not None:
-            self.reload_weights(weights_iterator=_failing_iter(_tensors_of(staged), fail_after_tensors))
+            self._rs_reload(weights_iterator=_failing_iter(_tensors_of(staged), fail_after_tensors))
         else:
             self._rs_load(staged)
         return {"seconds": time.perf_counter() - t0}
@@ -205,9 +205,28 @@ class RolloutWorkerExtension:
 
     def _rs_load(self, source: _Source) -> None:
         if source.path is not None:
-            self.reload_weights(weights_path=source.path)
+            self._rs_reload(weights_path=source.path)
         else:
-            self.reload_weights(weights_iterator=iter(source.tensors))
+            self._rs_reload(weights_iterator=iter(source.tensors))
+
+    def _rs_reload(self, **kwargs) -> None:
+        """``reload_weights``, leaving a reloadable model if it raises.
+
+        Measured: an exception inside vLLM's layerwise reload leaves the layers not yet complete on
+        the meta device with wrapped loaders, and the next ``reload_weights`` then fails
+        (``'Parameter' object has no attribute 'weight_loader'``). Finalizing puts every layer back
+        on its kernel tensors (partly stale or partly new: the rollback's full reload overwrites them).
+        """
+        try:
+            self.reload_weights(**kwargs)
+        except BaseException:
+            try:
+                from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+                finalize_layerwise_reload(self.model_runner.get_model(), self.model_runner.vllm_config.model_config)
+            except Exception:  # the original error is the one to report
+                pass
+            raise
 
 
 def _tensors_of(source: _Source):

@@ -25,6 +25,7 @@ import uuid
 from typing import Any, Callable, Mapping
 
 from rollout_service.refit.collective import (
+    ABORT_MESSAGE,
     GroupOutOfSync,
     free_port,
     open_group,
@@ -187,8 +188,9 @@ class TrainerClient:
         try:
             return _get(ref, _overall(timeout))
         except RefitFailed as failed:
-            if (failed.report or {}).get("failed_step") == "transfer":
-                self._group = None
+            report = failed.report or {}
+            if report.get("failed_step") == "transfer" and ABORT_MESSAGE not in (report.get("error") or ""):
+                self._group = None  # a worker's receive failed or timed out: the group is out of step
             raise
 
     # --------------------------------------------------------------------- misc

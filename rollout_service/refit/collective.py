@@ -28,8 +28,15 @@ HEADER_ABORT = 2
 HEADER_END = 3
 
 
+ABORT_MESSAGE = "trainer aborted the transfer"
+
+
 class TransferAborted(RuntimeError):
-    """The trainer aborted the broadcast; the receiver discarded every bucket."""
+    """The trainer aborted the broadcast; the receiver discarded every bucket.
+
+    The group stays in step (every rank saw the ABORT header). vLLM's collective_rpc re-raises
+    worker errors as plain ``Exception`` with the message only, so callers match ``ABORT_MESSAGE``.
+    """
 
 
 class GroupOutOfSync(RuntimeError):
@@ -239,7 +246,7 @@ def receive_buckets(group: GlooGroup, plan: BucketPlan) -> list[tuple[str, Any]]
         group.broadcast(header)
         code, index = int(header[0]), int(header[1])
         if code == HEADER_ABORT:
-            raise TransferAborted(f"trainer aborted the transfer after {i} of {len(plan.buckets)} buckets")
+            raise TransferAborted(f"{ABORT_MESSAGE} after {i} of {len(plan.buckets)} buckets")
         if code != HEADER_DATA or index != i:
             raise RuntimeError(f"weight broadcast out of sync: expected bucket {i}, got header {code},{index}")
         buf = torch.empty(bucket_size(bucket), dtype=torch.uint8)
@@ -250,5 +257,5 @@ def receive_buckets(group: GlooGroup, plan: BucketPlan) -> list[tuple[str, Any]]
     header = torch.empty(2, dtype=torch.int64)
     group.broadcast(header)
     if int(header[0]) != HEADER_END:
-        raise TransferAborted(f"trainer aborted the transfer after all {len(plan.buckets)} buckets")
+        raise TransferAborted(f"{ABORT_MESSAGE} after all {len(plan.buckets)} buckets")
     return out

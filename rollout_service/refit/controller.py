@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
+from rollout_service.refit.collective import ABORT_MESSAGE
 from rollout_service.refit.types import RefitFailed, RefitInProgress, RefitReport, WeightSyncNotInitialized
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ class RefitController:
                 self._num_failed_refits += 1
                 if getattr(transfer, "kind", None) == "collective" and report.failed_step == "transfer":
                     # A receive that timed out leaves the gloo group out of step: re-create it.
-                    if "TransferAborted" not in (report.error or ""):
+                    if ABORT_MESSAGE not in (report.error or ""):
                         self._weight_sync = None
                 raise RefitFailed(
                     f"refit to version {version} failed at {report.failed_step}: {report.error}; "
@@ -272,7 +273,7 @@ class RefitController:
             report.ok = True
         except BaseException as exc:  # noqa: BLE001 - every failure must end in a consistent, resumed state
             report.failed_step = step
-            report.error = f"{type(exc).__name__}: {exc}"[:2000] or type(exc).__name__
+            report.error = _short_error(exc)
             logger.warning("refit to %s failed at %s: %s", version, step, report.error)
             report.rolled_back = await self._recover(engines, previous, load_attempted, labelled, timeout, report)
         finally:
@@ -296,7 +297,7 @@ class RefitController:
                 if labelled:
                     await asyncio.wait_for(e.set_weight_version.remote(previous), timeout)
             except Exception as exc:
-                broken.append(f"engine {i}: {type(exc).__name__}: {exc}"[:300])
+                broken.append(f"engine {i}: {_short_error(exc)}")
                 return e
             return None
 
@@ -387,6 +388,15 @@ class RefitController:
             ray.kill(e)
         self.engines = []
         self._started = False
+
+
+def _short_error(exc: BaseException) -> str:
+    """One line: the root cause's type and message, without Ray's remote traceback."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    if isinstance(exc, asyncio.TimeoutError) or isinstance(cause, asyncio.TimeoutError):
+        return "TimeoutError: step timed out"
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:500]
 
 
 def get_or_create_controller(config: RolloutServiceConfig, *, name: str = CONTROLLER_NAME):

@@ -1,0 +1,306 @@
+"""In-flight weight refit on a real vLLM engine, gloo on CPU: keep-mode, versions, parity, safety.
+
+One engine (default parity config) behind a RefitController actor for the whole module; the
+trainer side is a TrainerClient in this process (rank 0 of the gloo group). Weight versions
+advance monotonically through the module, so the tests run in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from engine_helpers import hf_sampled_logprobs, load_hf_model, stream_generation
+
+pytestmark = pytest.mark.engine
+
+N_ROLLOUTS = 8
+
+
+# --------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def controller(ray_session, tiny_model_dir):
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.refit.controller import RefitController
+
+    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(tiny_model_dir)}, "refit": {"step_timeout_s": 60}})
+    actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())
+    ray.get(actor.start.remote(), timeout=300)
+    yield actor
+    try:
+        ray.get(actor.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def engine(controller):
+    return ray.get(controller.get_engines.remote())[0]
+
+
+@pytest.fixture(scope="module")
+def client(controller):
+    from rollout_service.refit.client import TrainerClient
+
+    c = TrainerClient(controller, timeout_s=60, bucket_bytes=8 * 1024 * 1024)  # several buckets
+    c.init_weight_sync()
+    return c
+
+
+@pytest.fixture(scope="module")
+def base_weights(tiny_model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(tiny_model_dir / "model.safetensors"))
+
+
+def perturbed(base: dict, seed: int, scale: float = 0.05) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in base.items()}
+
+
+_hf_cache: dict[int, object] = {}
+
+
+def hf_model(tiny_model_dir, weights: dict, key: int):
+    if key not in _hf_cache:
+        model = copy.deepcopy(load_hf_model(str(tiny_model_dir)))
+        model.load_state_dict(weights, strict=True)
+        _hf_cache[key] = model
+    return _hf_cache[key]
+
+
+def prompts(tok, tag: str, n: int = N_ROLLOUTS) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        ids = tok.apply_chat_template([{"role": "user", "content": f"{tag} rollout {i}: tell a story"}],
+                                      add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    return out
+
+
+async def start_rollouts(engine, prompt_list, *, seed0: int, max_tokens: int, min_tokens_each: int = 4):
+    """Start streaming rollouts and return once every one of them is mid-generation."""
+    counts = [0] * len(prompt_list)
+
+    def counter(i):
+        def on_chunk(chunk):
+            counts[i] += len(chunk.token_ids)
+        return on_chunk
+
+    tasks = [
+        asyncio.create_task(
+            stream_generation(engine, p, seed=seed0 + i, max_tokens=max_tokens, ignore_eos=True, on_chunk=counter(i))
+        )
+        for i, p in enumerate(prompt_list)
+    ]
+    deadline = time.monotonic() + 60
+    while min(counts) < min_tokens_each:
+        assert time.monotonic() < deadline, f"rollouts did not start: {counts}"
+        await asyncio.sleep(0.01)
+    return tasks, counts
+
+
+def split_at_refit(spans, old: str, new: str, n: int) -> int:
+    assert [s[0] for s in spans] == [old, new], spans
+    assert spans[0][1] == 0 and spans[0][2] == spans[1][1] and spans[1][2] == n, spans
+    k = spans[0][2]
+    assert 0 < k < n, f"refit boundary {k} not inside the generation of {n} tokens"
+    return k
+
+
+def max_abs(a, b) -> float:
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+# ------------------------------------------------------------------------------------ tests
+async def test_refit_keeps_streaming_rollouts_and_post_refit_tokens_match_new_weights(
+    controller, engine, client, tiny_tokenizer, tiny_model_dir, base_weights
+):
+    """clear_cache=True: 8 rollouts frozen mid-generation, none aborted; tokens before the refit are
+    the old model's exactly, tokens after it the new model's (KV recomputed), per the version spans."""
+    w1 = perturbed(base_weights, seed=1)
+    ps = prompts(tiny_tokenizer, "A")
+    tasks, counts = await start_rollouts(engine, ps, seed0=100, max_tokens=200)
+
+    report = await asyncio.to_thread(client.refit, "1", w1, clear_cache=True)
+    assert report["ok"] and report["version"] == "1" and report["transport"] == "collective"
+    assert report["requests_in_flight"] == N_ROLLOUTS and report["requests_aborted"] == 0
+    assert report["bytes"] == sum(t.numel() * t.element_size() for t in w1.values())
+
+    stats = await controller.stats.remote()  # rollouts still running, started on version 0
+    assert stats["weight_version"] == "1"
+    assert stats["in_flight_by_version"].get("0", 0) >= 1 and stats["lag"]["max"] == 1
+
+    results = await asyncio.gather(*tasks)
+    old_model = load_hf_model(str(tiny_model_dir))
+    new_model = hf_model(tiny_model_dir, w1, 1)
+    worst_old = worst_new = 0.0
+    discrimination = []
+    for prompt, (ids, lps, last) in zip(ps, results):
+        assert last.finish_reason == "length" and len(ids) == 200
+        k = split_at_refit(last.weight_versions, "0", "1", len(ids))
+        ref_old = hf_sampled_logprobs(old_model, prompt, ids)
+        ref_new = hf_sampled_logprobs(new_model, prompt, ids)
+        worst_old = max(worst_old, max_abs(lps[:k], ref_old[:k]))
+        worst_new = max(worst_new, max_abs(lps[k:], ref_new[k:]))
+        discrimination.append(max_abs(lps[k:], ref_old[k:]))
+    print(f"clear_cache=True: pre-refit vs old max|Δ|={worst_old:.2e}, post-refit vs new max|Δ|={worst_new:.2e}, "
+          f"post-refit vs old {max(discrimination):.2e}; report {report['total_s']:.3f}s")
+    assert worst_old <= 1e-4 and worst_new <= 1e-4
+    assert max(discrimination) > 1e-2  # the two weight sets are distinguishable by these logprobs
+
+
+async def test_refit_without_clear_cache_keeps_stale_kv_for_in_flight_requests(
+    controller, engine, client, tiny_tokenizer, tiny_model_dir, base_weights
+):
+    """clear_cache=False (the V0-like default): in-flight requests keep the KV computed by the old
+    weights. Exact: tokens before the refit (old weights) and a fresh request after it (new
+    weights). Not exact, by design: positions after the refit attend with new weights over old KV."""
+    w1, w2 = perturbed(base_weights, seed=1), perturbed(base_weights, seed=2)
+    ps = prompts(tiny_tokenizer, "B")
+    tasks, _ = await start_rollouts(engine, ps, seed0=200, max_tokens=160)
+    report = await asyncio.to_thread(client.refit, "2", w2)  # clear_cache defaults to False
+    assert report["ok"] and not report["clear_cache"] and report["requests_aborted"] == 0
+    results = await asyncio.gather(*tasks)
+
+    m1, m2 = hf_model(tiny_model_dir, w1, 1), hf_model(tiny_model_dir, w2, 2)
+    worst_pre, post_vs_new, post_vs_old = 0.0, [], []
+    for prompt, (ids, lps, last) in zip(ps, results):
+        assert last.finish_reason == "length"
+        k = split_at_refit(last.weight_versions, "1", "2", len(ids))
+        worst_pre = max(worst_pre, max_abs(lps[:k], hf_sampled_logprobs(m1, prompt, ids)[:k]))
+        post_vs_new.append(max_abs(lps[k:], hf_sampled_logprobs(m2, prompt, ids)[k:]))
+        post_vs_old.append(max_abs(lps[k:], hf_sampled_logprobs(m1, prompt, ids)[k:]))
+    print(f"clear_cache=False: pre-refit vs old {worst_pre:.2e}; post-refit vs new {max(post_vs_new):.2e}, "
+          f"vs old {max(post_vs_old):.2e} (stale KV: neither)")
+    assert worst_pre <= 1e-4
+    assert max(post_vs_new) > 1e-4 and max(post_vs_old) > 1e-4  # mixed: matches neither pure model
+
+    fresh = prompts(tiny_tokenizer, "B-fresh", 2)
+    for i, p in enumerate(fresh):
+        ids, lps, last = await stream_generation(engine, p, seed=300 + i, max_tokens=64, ignore_eos=True)
+        assert last.weight_versions == [("2", 0, 64)]
+        assert max_abs(lps, hf_sampled_logprobs(m2, p, ids)) <= 1e-4
+
+
+async def test_object_store_and_checkpoint_path_load_the_same_weights_as_the_collective(
+    controller, client, base_weights, tiny_model_dir, tmp_path
+):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    w3 = perturbed(base_weights, seed=3)
+    before = await controller.weights_checksums.remote()
+    r = await asyncio.to_thread(client.refit, "3", w3)
+    via_collective = await controller.weights_checksums.remote()
+    assert via_collective != before
+
+    r_obj = await asyncio.to_thread(client.refit, "4", w3, transport="object_store")
+    via_object_store = await controller.weights_checksums.remote()
+
+    ckpt = tmp_path / "step-5"
+    ckpt.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", ckpt / "config.json")
+    save_file(w3, str(ckpt / "model.safetensors"))
+    r_path = await asyncio.to_thread(client.refit, "5", str(ckpt), transport="path")
+    via_path = await controller.weights_checksums.remote()
+
+    assert via_collective == via_object_store == via_path
+    for rep in (r, r_obj, r_path):
+        assert rep["ok"] and rep["requests_aborted"] == 0
+        print(f"{rep['transport']:>12}: {rep['bytes'] / 1e6:.1f} MB pause {rep['pause_s']:.3f}s transfer "
+              f"{rep['transfer_s']:.3f}s load {rep['load_s']:.3f}s resume {rep['resume_s']:.3f}s")
+
+
+async def test_failure_mid_transfer_resumes_every_engine_on_the_old_weights(
+    controller, engine, client, tiny_tokenizer, base_weights
+):
+    before = await controller.weights_checksums.remote()
+    version = await controller.current_version.remote()
+    ps = prompts(tiny_tokenizer, "C", 4)
+    tasks, _ = await start_rollouts(engine, ps, seed0=400, max_tokens=120)
+
+    def fail_after_first_bucket(i):
+        if i == 0:
+            raise RuntimeError("injected: trainer died after bucket 0")
+
+    from rollout_service.refit.types import RefitFailed
+
+    with pytest.raises(RefitFailed) as err:
+        await asyncio.to_thread(client.refit, "6", perturbed(base_weights, seed=6), on_bucket=fail_after_first_bucket)
+    report = err.value.report
+    assert report["failed_step"] == "transfer" and "trainer aborted the transfer" in report["error"]
+    assert report["requests_aborted"] == 0
+    assert await controller.weights_checksums.remote() == before
+    assert await controller.current_version.remote() == version
+    assert not await engine.is_paused.remote()
+    for ids, _, last in await asyncio.gather(*tasks):
+        assert last.finish_reason == "length" and last.weight_versions == [(version, 0, 120)]
+
+    # The group is still in step: the next collective refit works.
+    assert (await asyncio.to_thread(client.refit, "6", perturbed(base_weights, seed=6)))["ok"]
+
+
+async def test_failure_mid_load_rolls_back_the_half_loaded_model(controller, engine, tiny_tokenizer):
+    from rollout_service.refit.transports import CheckpointPathTransfer
+    from rollout_service.refit.types import RefitFailed
+
+    before = await controller.weights_checksums.remote()
+    version = await controller.current_version.remote()
+    path = await engine.tokenizer_path.remote()  # the original checkpoint: different weights
+    with pytest.raises(RefitFailed) as err:
+        await controller.refit.remote("7", CheckpointPathTransfer(path), fail_load_after_tensors=5)
+    report = err.value.report
+    assert report["failed_step"] == "load" and report["rolled_back"], report["error"]
+    assert await controller.weights_checksums.remote() == before
+    assert await controller.current_version.remote() == version
+    assert not await engine.is_paused.remote()
+
+
+async def test_concurrent_refit_is_rejected_and_new_requests_wait_for_the_refit(
+    controller, engine, client, tiny_tokenizer, base_weights, tiny_model_dir
+):
+    from rollout_service.refit.transports import CheckpointPathTransfer
+    from rollout_service.refit.types import RefitInProgress
+
+    paused_mid_transfer = threading.Event()
+    release = threading.Event()
+
+    def hold_after_first_bucket(i):
+        if i == 0:
+            paused_mid_transfer.set()
+            assert release.wait(30)
+
+    w8 = perturbed(base_weights, seed=8)
+    refit = asyncio.create_task(asyncio.to_thread(client.refit, "8", w8, on_bucket=hold_after_first_bucket))
+    while not paused_mid_transfer.is_set():
+        await asyncio.sleep(0.01)
+
+    with pytest.raises(RefitInProgress):
+        await controller.refit.remote("9", CheckpointPathTransfer(str(tiny_model_dir)))
+    with pytest.raises(RefitInProgress):
+        client.refit("9", w8)
+    assert (await controller.stats.remote())["refitting"]
+
+    arrivals = []
+    prompt = prompts(tiny_tokenizer, "D", 1)[0]
+    late = asyncio.create_task(
+        stream_generation(engine, prompt, seed=9, max_tokens=32, ignore_eos=True, on_chunk=arrivals.append)
+    )
+    await asyncio.sleep(1.0)
+    assert arrivals == [] and not late.done()  # queued while the engine is paused
+    release.set()
+    report = await refit
+    assert report["ok"]
+    ids, lps, last = await late
+    assert last.weight_versions == [("8", 0, 32)]  # served entirely by the new weights
+    m8 = hf_model(tiny_model_dir, w8, 8)
+    assert max_abs(lps, hf_sampled_logprobs(m8, prompt, ids)) <= 1e-4
