@@ -1,0 +1,67 @@
+"""Prefix caching on is safe across refits: the cache salt is the weight version, so no prefix-cache
+hit crosses a refit (even with clear_cache=False), while hits within one version still happen."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ray
+import torch
+
+from engine_helpers import hf_sampled_logprobs, load_hf_model, stream_generation
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def controller(ray_session, tiny_model_dir):
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.refit.controller import RefitController
+
+    cfg = RolloutServiceConfig.model_validate(
+        {"engine": {"model": str(tiny_model_dir), "enable_prefix_caching": True}, "refit": {"step_timeout_s": 60}}
+    )
+    actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=100).remote(cfg.model_dump())
+    ray.get(actor.start.remote(), timeout=300)
+    yield actor
+    try:
+        ray.get(actor.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+
+
+async def test_no_prefix_cache_hit_crosses_a_refit(controller, tiny_tokenizer, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from rollout_service.refit.client import TrainerClient
+
+    engine = (await controller.get_engines.remote())[0]
+    text = " ".join(f"fact {i} is that the number {i * 7} is odd or even." for i in range(40))
+    prompt = list(tiny_tokenizer(text)["input_ids"])
+    assert len(prompt) > 300  # spans several KV blocks
+
+    async def run(seed):
+        ids, lps, last = await stream_generation(engine, prompt, seed=seed, max_tokens=16, ignore_eos=True)
+        return ids, lps, last
+
+    await run(1)
+    _, _, warm = await run(2)
+    assert warm.num_cached_tokens and warm.num_cached_tokens > 0, "prefix caching is not active"
+
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    w1 = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    client = TrainerClient(controller, timeout_s=60)
+    report = client.refit("1", w1, transport="object_store", clear_cache=False)
+    assert report["ok"] and not report["clear_cache"]
+
+    ids, lps, after = await run(3)
+    assert after.weight_versions == [("1", 0, 16)]
+    assert not after.num_cached_tokens, f"{after.num_cached_tokens} prompt tokens reused KV of the old weights"
+    new_model = copy.deepcopy(load_hf_model(str(tiny_model_dir)))
+    new_model.load_state_dict(w1)
+    assert max(abs(a - b) for a, b in zip(lps, hf_sampled_logprobs(new_model, prompt, ids))) <= 1e-4
+
+    _, _, again = await run(4)
+    assert again.num_cached_tokens and again.num_cached_tokens > 0  # hits resume within version 1
