@@ -65,6 +65,11 @@ class EngineConfig(_Strict):
     num_cpus_per_engine: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine actor.")
     reasoning_parser: str | None = Field("qwen3", description="vLLM reasoning parser name (None: no reasoning split).")
     tool_parser: str | None = Field("hermes", description="vLLM tool-call parser name (None: no tool parsing).")
+    compact_structured_json: bool = Field(
+        True,
+        description="Structured outputs (forced tool calls) emit compact JSON (xgrammar, no free whitespace); "
+        "otherwise a weak policy can spend its whole budget on whitespace inside the JSON.",
+    )
     max_logprobs: int = Field(20, ge=0, description="Upper bound on `top_logprobs` a request may ask for.")
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Passed to vLLM's AsyncEngineArgs as is (escape hatch)."

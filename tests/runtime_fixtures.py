@@ -79,3 +79,42 @@ def engine_actor(ray_session, engine_config):
     except Exception:
         pass
     ray.kill(actor)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def service(ray_session, redis_server, tiny_model_dir):
+    """The whole app: Ray Serve (2 affinity replicas), one vLLM engine, the session's redis-server."""
+    from rollout_service.config import EngineConfig, RolloutServiceConfig, ServiceConfig, StoreConfig
+    from rollout_service.serve.launcher import LocalService
+
+    cfg = RolloutServiceConfig(
+        engine=EngineConfig(model=str(tiny_model_dir)),
+        store=StoreConfig(redis_url=redis_server, key_prefix="svc"),
+        service=ServiceConfig(num_affinity_replicas=2, default_max_tokens=32),
+    )
+    svc = LocalService(cfg, port=_free_port(), log=lambda *_: None).start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(service):
+    import openai
+
+    return openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(service):
+    import httpx
+
+    with httpx.Client(base_url=service.url, timeout=120) as client:
+        yield client

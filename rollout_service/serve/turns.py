@@ -403,9 +403,10 @@ def _parse_forced(text: str, forced: dict[str, Any]) -> dict[str, Any]:
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
-    if forced.get("name"):
-        return {"content": "", "reasoning_content": None, "tool_calls": [call(forced["name"], text.strip())]}
     try:
+        if forced.get("name"):
+            json.loads(text)
+            return {"content": "", "reasoning_content": None, "tool_calls": [call(forced["name"], text.strip())]}
         items = json.loads(text)
         calls = [call(it["name"], it.get("parameters", it.get("arguments", {}))) for it in items]
     except (ValueError, KeyError, TypeError):  # cut off by max_tokens: return the text, no call
