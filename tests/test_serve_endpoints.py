@@ -1,0 +1,62 @@
+"""The smaller endpoints: models, health, tokenize (with the on-policy correction), completions."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from serve_helpers import MODEL
+
+pytestmark = pytest.mark.serve
+
+
+def test_models_is_vllm_compatible(openai_client, tiny_model_dir):
+    models = openai_client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_dump()["root"] == str(tiny_model_dir)
+
+
+def test_health(http):
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["engines_alive"] == 1
+
+
+def test_tokenize_returns_the_ids_the_next_call_will_use(http):
+    """NeMo Gym captures ids through /tokenize: it must see the on-policy prompt, not a re-render."""
+    rid = f"tok-{uuid.uuid4().hex[:8]}"
+    msgs = [{"role": "user", "content": "Tokenize me"}]
+    first = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 12, "seed": 9},
+                      headers={"X-Rollout-Id": rid}).json()["choices"][0]["message"]
+    nxt = msgs + [{"role": "assistant", "content": first["content"] or ""}, {"role": "user", "content": "again"}]
+    tok = http.post("/tokenize", json={"model": MODEL, "messages": nxt}, headers={"X-Rollout-Id": rid}).json()
+    base = first["prompt_token_ids"] + first["generation_token_ids"]
+    assert tok["tokens"][: len(base)] == base and tok["count"] == len(tok["tokens"])
+    second = http.post("/v1/chat/completions", json={"model": MODEL, "messages": nxt, "max_tokens": 4, "seed": 9},
+                       headers={"X-Rollout-Id": rid}).json()["choices"][0]["message"]
+    assert second["prompt_token_ids"] == tok["tokens"]
+    plain = http.post("/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
+    assert plain["tokens"] == [14990, 1879] and plain["max_model_len"] == 1024
+
+
+def test_completions_accept_token_id_prompts(openai_client):
+    out = openai_client.completions.create(model=MODEL, prompt=[151644, 872, 198, 9707], max_tokens=8, seed=2,
+                                           temperature=1.0, extra_body={"ignore_eos": True})
+    choice = out.choices[0].model_dump()
+    assert len(choice["token_ids"]) == 8 and len(choice["generation_log_probs"]) == 8
+    assert choice["prompt_token_ids"] == [151644, 872, 198, 9707]
+    again = openai_client.completions.create(model=MODEL, prompt=[151644, 872, 198, 9707], max_tokens=8, seed=2,
+                                             temperature=1.0, extra_body={"ignore_eos": True})
+    assert again.choices[0].model_dump()["token_ids"] == choice["token_ids"]
+
+
+def test_chat_logprobs_and_return_token_ids(openai_client):
+    out = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, seed=4, logprobs=True, top_logprobs=3,
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True})
+    choice = out.choices[0]
+    lp = choice.logprobs.content
+    ids = choice.model_dump()["token_ids"]
+    assert len(lp) == 5 and [e.token for e in lp] == [f"token_id:{t}" for t in ids]
+    assert all(len(e.top_logprobs) == 3 for e in lp)
+    assert [e.logprob for e in lp] == choice.message.model_dump()["generation_log_probs"]
