@@ -60,3 +60,28 @@ def test_chat_logprobs_and_return_token_ids(openai_client):
     assert len(lp) == 5 and [e.token for e in lp] == [f"token_id:{t}" for t in ids]
     assert all(len(e.top_logprobs) == 3 for e in lp)
     assert [e.logprob for e in lp] == choice.message.model_dump()["generation_log_probs"]
+
+
+def test_api_key_is_required_when_configured(service):
+    """A second app with a key, sharing the session's engine through the control-plane actor."""
+    import httpx
+    from ray import serve
+
+    from rollout_service.serve.app import build_app
+
+    cfg = service.config.model_copy(deep=True)
+    cfg.service.api_key = "s3cret"
+    cfg.service.num_affinity_replicas = 1
+    serve.run(build_app(cfg), name="keyed", route_prefix="/keyed")
+    try:
+        url = f"{service.url}/keyed"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"}, timeout=60)
+        assert r.status_code == 401
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["generation_token_ids"]) >= 1
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # probes need no key
+    finally:
+        serve.delete("keyed")
