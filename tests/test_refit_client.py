@@ -52,7 +52,7 @@ def test_a_tensor_larger_than_a_bucket_gets_its_own_bucket():
 def _receiver(port, plan_json, q):
     try:
         group = open_group("127.0.0.1", port, 2, 1, "t", 30)
-        got = receive_buckets(group, BucketPlan.from_json(plan_json))
+        got, _ = receive_buckets(group, BucketPlan.from_json(plan_json))
         q.put(("ok", {n: t.clone() for n, t in got}))
     except TransferAborted as exc:
         q.put(("aborted", str(exc)))

@@ -32,10 +32,11 @@ from typing import Any
 class _Source:
     """Where the weights came from: a checkpoint directory, or checkpoint-format tensors in memory."""
 
-    def __init__(self, *, path: str | None = None, tensors: list[tuple[str, Any]] | None = None):
+    def __init__(self, *, path: str | None = None, tensors: list[tuple[str, Any]] | None = None, buffers=None):
         assert (path is None) != (tensors is None)
         self.path = path
         self.tensors = tensors
+        self.buffers = buffers  # receive buffers the tensors are views of (reused once dropped)
 
     @property
     def nbytes(self) -> int:
@@ -108,6 +109,19 @@ class RolloutWorkerExtension:
     def rs_weight_sync_close(self) -> None:
         self._rs_group = None
 
+    def rs_bench_raw_receive(self, bucket_sizes: list[int]) -> float:
+        """Benchmark baseline: receive raw broadcasts of these sizes into preallocated, touched
+        buffers, after a one-header handshake (scripts/bench_refit.py times the trainer side)."""
+        import torch
+
+        bufs = [torch.zeros(n, dtype=torch.uint8) for n in bucket_sizes]
+        header = torch.empty(2, dtype=torch.int64)
+        self._rs_group.broadcast(header)
+        t0 = time.perf_counter()
+        for b in bufs:
+            self._rs_group.broadcast(b)
+        return time.perf_counter() - t0
+
     # ----------------------------------------------------------------- staging
     def _rs_state(self):
         if not hasattr(self, "_rs_current"):
@@ -115,8 +129,13 @@ class RolloutWorkerExtension:
             self._rs_current = _Source(path=self.model_runner.vllm_config.model_config.model)
             self._rs_previous = None
             self._rs_staged = None
+            self._rs_spare = None
         return self
 
+    def _rs_drop(self, source: "_Source | None") -> None:
+        """A source no longer needed: its receive buffers serve the next collective refit."""
+        if source is not None and source.buffers is not None:
+            self._rs_spare = source.buffers
     def rs_stage_collective(self, plan_json: str) -> dict[str, Any]:
         """Receive every bucket of the broadcast; the model is not touched."""
         from rollout_service.refit.collective import BucketPlan, receive_buckets
@@ -125,10 +144,12 @@ class RolloutWorkerExtension:
         group = getattr(self, "_rs_group", None)
         if group is None:
             raise RuntimeError("no weight-sync group: call init_weight_sync first")
+        self._rs_drop(self._rs_staged)
         self._rs_staged = None
+        spare, self._rs_spare = self._rs_spare, None
         t0 = time.perf_counter()
-        tensors = receive_buckets(group, BucketPlan.from_json(plan_json))
-        self._rs_staged = _Source(tensors=tensors)
+        tensors, buffers = receive_buckets(group, BucketPlan.from_json(plan_json), spare)
+        self._rs_staged = _Source(tensors=tensors, buffers=buffers)
         return {"bytes": self._rs_staged.nbytes, "seconds": time.perf_counter() - t0}
 
     def rs_stage_safetensors_file(self, path: str, delete: bool = True) -> dict[str, Any]:
@@ -162,6 +183,7 @@ class RolloutWorkerExtension:
 
     def rs_discard_staged(self) -> None:
         self._rs_state()
+        self._rs_drop(self._rs_staged)
         self._rs_staged = None
 
     # -------------------------------------------------------- load / commit / rollback
@@ -182,17 +204,20 @@ class RolloutWorkerExtension:
 
     def rs_commit(self) -> None:
         self._rs_state()
+        self._rs_drop(self._rs_previous)
         self._rs_previous = None
 
     def rs_rollback(self) -> dict[str, Any]:
         """Reload the weights that were current before the last ``rs_load_staged`` (no-op if none)."""
         self._rs_state()
+        self._rs_drop(self._rs_staged)
         self._rs_staged = None
         previous = self._rs_previous
         if previous is None:
             return {"reloaded": False}
         t0 = time.perf_counter()
         self._rs_load(previous)
+        self._rs_drop(self._rs_current)
         self._rs_current, self._rs_previous = previous, None
         return {"reloaded": True, "source": previous.describe(), "seconds": time.perf_counter() - t0}
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 from rollout_service.refit.collective import (
     ABORT_MESSAGE,
     GroupOutOfSync,
+    PackBuffers,
     free_port,
     open_group,
     plan_for_state_dict,
@@ -53,6 +54,7 @@ class TrainerClient:
         self.clear_cache = clear_cache
         self._group = None
         self._nccl = None
+        self._pack_buffers = PackBuffers()
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -107,6 +109,7 @@ class TrainerClient:
 
     def close(self) -> None:
         self._group = None
+        self._pack_buffers.clear()
         self._nccl = None
 
     # ------------------------------------------------------------------- refit
@@ -173,7 +176,7 @@ class TrainerClient:
                 raise TimeoutError(f"engine workers did not join the broadcast within {timeout}s")
 
         try:
-            send_buckets(self._group, params, plan, on_bucket=on_bucket, poll=poll)
+            send_buckets(self._group, params, plan, on_bucket=on_bucket, poll=poll, buffers=self._pack_buffers)
         except GroupOutOfSync as exc:
             # Nobody received the first header: it is still pending on our side, so the group is
             # out of step with the workers. Re-create it before the next collective refit.

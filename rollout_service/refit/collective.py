@@ -90,12 +90,28 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def plan_buckets(named_meta: Iterable[tuple[str, Any, Iterable[int], int]], bucket_bytes: int) -> BucketPlan:
-    """Greedy packing of (name, dtype, shape, nbytes) in order; a tensor larger than a bucket gets its own."""
+DIRECT_BYTES = 4 * 1024 * 1024
+
+
+def plan_buckets(
+    named_meta: Iterable[tuple[str, Any, Iterable[int], int]], bucket_bytes: int, direct_bytes: int = DIRECT_BYTES
+) -> BucketPlan:
+    """Greedy packing of (name, dtype, shape, nbytes) in order.
+
+    A tensor of ``direct_bytes`` or more gets a bucket of its own, which the sender broadcasts
+    straight from the tensor's memory (no packing copy: measured, packing a 200 MB bucket cost as
+    much as sending it on this machine). Smaller tensors are packed up to ``bucket_bytes``.
+    """
     buckets: list[list[TensorSlot]] = []
     current: list[TensorSlot] = []
     used = 0
     for name, dtype, shape, nbytes in named_meta:
+        if nbytes >= direct_bytes:
+            if current:
+                buckets.append(current)
+                current, used = [], 0
+            buckets.append([TensorSlot(name, dtype_name(dtype), tuple(int(x) for x in shape), 0, int(nbytes))])
+            continue
         if current and used + nbytes > bucket_bytes:
             buckets.append(current)
             current, used = [], 0
@@ -112,9 +128,11 @@ def bucket_size(bucket: tuple[TensorSlot, ...]) -> int:
     return (last.offset + last.nbytes + 7) // 8 * 8
 
 
-def plan_for_state_dict(params: Mapping[str, Any], bucket_bytes: int) -> BucketPlan:
+def plan_for_state_dict(params: Mapping[str, Any], bucket_bytes: int, direct_bytes: int = DIRECT_BYTES) -> BucketPlan:
     return plan_buckets(
-        ((n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in params.items()), bucket_bytes
+        ((n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in params.items()),
+        bucket_bytes,
+        direct_bytes,
     )
 
 
@@ -176,17 +194,49 @@ def send_header(group: GlooGroup, code: int, index: int, *, poll: Callable[[], N
     work.wait()
 
 
-def pack_bucket(params: Mapping[str, Any], bucket: tuple[TensorSlot, ...]):
+class PackBuffers:
+    """Trainer-side send buffers kept across refits: two per bucket size (bucket i+1 is packed
+    while bucket i is on the wire). Reuse saves the page faults of fresh buffers on every refit."""
+
+    def __init__(self):
+        self._bufs: dict[tuple[int, int], Any] = {}
+
+    def get(self, nbytes: int, index: int):
+        import torch
+
+        key = (nbytes, index % 2)
+        if key not in self._bufs:
+            self._bufs[key] = torch.zeros(nbytes, dtype=torch.uint8)
+        return self._bufs[key]
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+def pack_bucket(params: Mapping[str, Any], bucket: tuple[TensorSlot, ...], out=None):
     """One flat uint8 buffer holding the bucket's tensors at their offsets (one copy per tensor)."""
     import torch
 
-    buf = torch.empty(bucket_size(bucket), dtype=torch.uint8)
+    buf = out if out is not None else torch.empty(bucket_size(bucket), dtype=torch.uint8)
     for slot in bucket:
         t = params[slot.name].detach()
         if t.device.type != "cpu":
             t = t.to("cpu")
         buf[slot.offset : slot.offset + slot.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
     return buf
+
+
+def _direct_view(params: Mapping[str, Any], bucket: tuple[TensorSlot, ...]):
+    """The bytes of a single-tensor bucket, without a copy, when the tensor allows it."""
+    import torch
+
+    if len(bucket) != 1:
+        return None
+    slot = bucket[0]
+    t = params[slot.name].detach()
+    if t.device.type != "cpu" or not t.is_contiguous() or slot.nbytes != bucket_size(bucket) or slot.nbytes == 0:
+        return None
+    return t.reshape(-1).view(torch.uint8)
 
 
 def send_buckets(
@@ -196,6 +246,7 @@ def send_buckets(
     *,
     on_bucket: Callable[[int], None] | None = None,
     poll: Callable[[], None] | None = None,
+    buffers: PackBuffers | None = None,
 ) -> int:
     """Trainer side. Packs bucket i+1 while bucket i is on the wire. Returns bytes sent.
 
@@ -210,7 +261,10 @@ def send_buckets(
     joined = False
     try:
         for i, bucket in enumerate(plan.buckets):
-            buf = pack_bucket(params, bucket)
+            # Buffer i % 2 is free: bucket i-2 completed before bucket i-1 was started.
+            buf = _direct_view(params, bucket)
+            if buf is None:
+                buf = pack_bucket(params, bucket, buffers.get(bucket_size(bucket), i) if buffers is not None else None)
             if pending is not None:
                 pending.wait()
                 pending = None
@@ -236,11 +290,13 @@ def send_buckets(
     return sent
 
 
-def receive_buckets(group: GlooGroup, plan: BucketPlan) -> list[tuple[str, Any]]:
-    """Worker side: (name, tensor) pairs as views into the received buffers (no extra copy)."""
+def receive_buckets(group: GlooGroup, plan: BucketPlan, buffers: list | None = None) -> tuple[list[tuple[str, Any]], list]:
+    """Worker side: (name, tensor) pairs as views into the received buffers (no extra copy), and
+    the buffers. ``buffers`` (one per bucket, right sizes) are reused instead of allocating."""
     import torch
 
     out: list[tuple[str, Any]] = []
+    received: list = []
     for i, bucket in enumerate(plan.buckets):
         header = torch.empty(2, dtype=torch.int64)
         group.broadcast(header)
@@ -249,8 +305,11 @@ def receive_buckets(group: GlooGroup, plan: BucketPlan) -> list[tuple[str, Any]]
             raise TransferAborted(f"{ABORT_MESSAGE} after {i} of {len(plan.buckets)} buckets")
         if code != HEADER_DATA or index != i:
             raise RuntimeError(f"weight broadcast out of sync: expected bucket {i}, got header {code},{index}")
-        buf = torch.empty(bucket_size(bucket), dtype=torch.uint8)
+        size = bucket_size(bucket)
+        reuse = buffers[i] if buffers is not None and i < len(buffers) else None
+        buf = reuse if reuse is not None and reuse.numel() == size else torch.empty(size, dtype=torch.uint8)
         group.broadcast(buf)
+        received.append(buf)
         for slot in bucket:
             dtype = getattr(torch, slot.dtype)
             out.append((slot.name, buf[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape)))
@@ -258,4 +317,4 @@ def receive_buckets(group: GlooGroup, plan: BucketPlan) -> list[tuple[str, Any]]
     group.broadcast(header)
     if int(header[0]) != HEADER_END:
         raise TransferAborted(f"{ABORT_MESSAGE} after all {len(plan.buckets)} buckets")
-    return out
+    return out, received

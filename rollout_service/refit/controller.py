@@ -244,7 +244,7 @@ class RefitController:
 
             step = "transfer"
             t0 = time.perf_counter()
-            report.bytes = await transfer.stage(engines, timeout)
+            report.bytes, report.worker_receive_s = await transfer.stage(engines, timeout)
             report.transfer_s = time.perf_counter() - t0
 
             step = "load"

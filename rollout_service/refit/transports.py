@@ -35,9 +35,11 @@ async def _fan_out(calls, timeout_s: float) -> list[Any]:
     return list(await asyncio.wait_for(asyncio.gather(*calls), timeout=timeout_s))
 
 
-def _bytes_of(results: list[list[dict[str, Any]]]) -> int:
-    """Bytes staged per engine (every engine receives the full state dict): the max over engines."""
-    return max((w["bytes"] for per_engine in results for w in per_engine), default=0)
+def _bytes_of(results: list[list[dict[str, Any]]]) -> tuple[int, float]:
+    """Bytes staged per engine (every engine receives the full state dict) and the slowest worker's
+    own receive seconds (the rest of the transfer step is RPC and hand-off latency)."""
+    workers = [w for per_engine in results for w in per_engine]
+    return max((w["bytes"] for w in workers), default=0), max((w["seconds"] for w in workers), default=0.0)
 
 
 @dataclass
@@ -46,7 +48,7 @@ class CollectiveTransfer:
     total_bytes: int
     kind: str = "collective"
 
-    async def stage(self, engines: Sequence[Any], timeout_s: float) -> int:
+    async def stage(self, engines: Sequence[Any], timeout_s: float) -> tuple[int, float]:
         calls = [e.collective_rpc.remote(STAGE_COLLECTIVE, args=(self.plan_json,), timeout=timeout_s) for e in engines]
         return _bytes_of(await _fan_out(calls, timeout_s))
 
@@ -56,7 +58,7 @@ class ObjectStoreTransfer:
     refs: list  # [ObjectRef of {name: tensor}]; wrapped in a list so Ray does not resolve it on the way
     kind: str = "object_store"
 
-    async def stage(self, engines: Sequence[Any], timeout_s: float) -> int:
+    async def stage(self, engines: Sequence[Any], timeout_s: float) -> tuple[int, float]:
         calls = [e.stage_weights_from_object_store.remote(self.refs, timeout_s) for e in engines]
         return _bytes_of(await _fan_out(calls, timeout_s))
 
@@ -66,7 +68,7 @@ class CheckpointPathTransfer:
     path: str
     kind: str = "path"
 
-    async def stage(self, engines: Sequence[Any], timeout_s: float) -> int:
+    async def stage(self, engines: Sequence[Any], timeout_s: float) -> tuple[int, float]:
         calls = [e.collective_rpc.remote(STAGE_PATH, args=(self.path,), timeout=timeout_s) for e in engines]
         return _bytes_of(await _fan_out(calls, timeout_s))
 

@@ -1,0 +1,202 @@
+"""Refit wall time vs bytes on gloo (CPU), against a raw gloo broadcast of the same bytes.
+
+For each model (the tiny one, then random ~50M and ~200M-parameter Qwen3 models built with
+``build_tiny_model(config_overrides=...)``): start one engine behind a RefitController, form the
+gloo group with a TrainerClient in this process (rank 0), then
+
+- raw: broadcast the refit's bucket sizes from preallocated buffers into preallocated buffers on
+  the worker, over the same group, timed on the trainer after a handshake (the ceiling: the same
+  bytes as one buffer in bucket-size chunks, no packing, no per-tensor messages, no RPCs);
+- refit (collective): ``TrainerClient.refit`` with the model's state dict (perturbed each time);
+  transfer rate = bytes / transfer step, end-to-end rate = bytes / (pause -> resume);
+- object store and checkpoint path: the same refit through the other transports.
+
+One engine at a time (2-core machine). Usage::
+
+    .venv/bin/python scripts/bench_refit.py [--sizes tiny,50m,200m] [--repeats 3] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+for _k, _v in {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_k, _v)
+
+MODELS = {
+    "tiny": None,  # hidden 64, 2 layers: ~20M params
+    "50m": {"hidden_size": 160, "intermediate_size": 640},
+    "200m": {"hidden_size": 640, "intermediate_size": 2560},
+}
+
+
+def model_dir(size: str, root: Path) -> Path:
+    from rollout_service.tiny_model import build_tiny_model, ensure_tiny_model
+
+    if MODELS[size] is None:
+        return ensure_tiny_model()
+    return build_tiny_model(root / f"qwen3-{size}", config_overrides=MODELS[size])
+
+
+def raw_chunks(nbytes: int, chunk: int) -> list[int]:
+    """The baseline's message sizes: the same bytes as one buffer, in chunks of the bucket size."""
+    return [min(chunk, nbytes - off) for off in range(0, nbytes, chunk)]
+
+
+def raw_broadcast_s(client, engine, bucket_sizes: list[int]) -> float:
+    """Trainer-side seconds to broadcast these buffers (after a handshake) to the engine's worker."""
+    import ray
+    import torch
+
+    group = client._group
+    bufs = [torch.ones(n, dtype=torch.uint8) for n in bucket_sizes]
+    ref = engine.collective_rpc.remote("rs_bench_raw_receive", args=(bucket_sizes,))
+    group.broadcast(torch.zeros(2, dtype=torch.int64))  # handshake: the worker is receiving
+    t0 = time.perf_counter()
+    for b in bufs:
+        group.broadcast(b)
+    dt = time.perf_counter() - t0
+    ray.get(ref)
+    return dt
+
+
+def bench_one(size: str, root: Path, repeats: int, bucket_bytes: int) -> dict:
+    import ray
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.collective import bucket_size, plan_for_state_dict
+    from rollout_service.refit.controller import RefitController
+
+    mdir = model_dir(size, root)
+    weights = load_file(str(mdir / "model.safetensors"))
+    nparams = sum(t.numel() for t in weights.values())
+    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(mdir), "max_num_seqs": 8}})
+    ctl = ray.remote(RefitController).options(num_cpus=0, max_concurrency=100).remote(cfg.model_dump())
+    try:
+        t0 = time.perf_counter()
+        ray.get(ctl.start.remote(), timeout=600)
+        start_s = time.perf_counter() - t0
+        engine = ray.get(ctl.get_engines.remote())[0]
+        client = TrainerClient(ctl, bucket_bytes=bucket_bytes, timeout_s=300)
+        client.init_weight_sync()
+        plan = plan_for_state_dict(weights, bucket_bytes)
+        sizes = raw_chunks(sum(bucket_size(b) for b in plan.buckets), bucket_bytes)
+
+        version = 0
+
+        def refit(transport, params):
+            nonlocal version
+            version += 1
+            return client.refit(str(version), params, transport=transport)
+
+        def perturbed(step):
+            return {k: v + 1e-3 * step for k, v in weights.items()}
+
+        raw_s = []
+        reports: dict[str, list[dict]] = {"collective": [], "object_store": [], "path": []}
+        refit("collective", perturbed(0))  # warm-up: first-touch of every buffer on both sides
+        raw_broadcast_s(client, engine, sizes)
+        ckpt = root / f"ckpt-{size}"
+        ckpt.mkdir(exist_ok=True)
+        shutil.copy(mdir / "config.json", ckpt / "config.json")
+        for i in range(repeats):
+            raw_s.append(raw_broadcast_s(client, engine, sizes))
+            reports["collective"].append(refit("collective", perturbed(i + 1)))
+            reports["object_store"].append(refit("object_store", perturbed(i + 1)))
+            save_file(perturbed(i + 1), str(ckpt / "model.safetensors"))
+            reports["path"].append(refit("path", str(ckpt)))
+        assert all(r["ok"] and r["requests_aborted"] == 0 for rs in reports.values() for r in rs)
+        nbytes = plan.total_bytes
+        med = lambda xs: statistics.median(xs)  # noqa: E731
+        out = {
+            "model": size,
+            "params": nparams,
+            "bytes": nbytes,
+            "buckets": len(plan.buckets),
+            "engine_start_s": start_s,
+            "raw_s": med(raw_s),
+            "raw_gbps": nbytes / med(raw_s) / 1e9,
+        }
+        for name, rs in reports.items():
+            out[name] = {k: med([r[k] for r in rs]) for k in ("pause_s", "transfer_s", "worker_receive_s", "load_s", "resume_s", "total_s")}
+            out[name]["transfer_gbps"] = nbytes / out[name]["transfer_s"] / 1e9 if out[name]["transfer_s"] else None
+            out[name]["e2e_gbps"] = nbytes / out[name]["total_s"] / 1e9
+        out["collective_transfer_vs_raw"] = out["collective"]["transfer_gbps"] / out["raw_gbps"]
+        out["collective_e2e_vs_raw"] = out["collective"]["e2e_gbps"] / out["raw_gbps"]
+        return out
+    finally:
+        try:
+            ray.get(ctl.shutdown.remote(), timeout=120)
+        finally:
+            ray.kill(ctl)
+
+
+def table(results: list[dict]) -> str:
+    rows = [
+        "| model | params | MB | raw gloo GB/s | refit transfer s | transfer GB/s | transfer / raw | load s | "
+        "pause s | resume s | pause→resume s | e2e / raw | object store pause→resume s | path pause→resume s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c = r["collective"]
+        rows.append(
+            f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['bytes'] / 1e6:.0f} | {r['raw_gbps']:.2f} | "
+            f"{c['transfer_s']:.3f} | {c['transfer_gbps']:.2f} | {r['collective_transfer_vs_raw']:.2f} | "
+            f"{c['load_s']:.3f} | {c['pause_s']:.3f} | {c['resume_s']:.3f} | {c['total_s']:.3f} | "
+            f"{r['collective_e2e_vs_raw']:.2f} | {r['object_store']['total_s']:.3f} | {r['path']['total_s']:.3f} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="tiny,50m,200m")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--models-dir", default=None, help="keep the built models here (default: a temp dir)")
+    ap.add_argument("--out", default=None, help="write the raw results as JSON here")
+    args = ap.parse_args(argv)
+
+    from rollout_service.runtime import start_local_ray
+
+    start_local_ray()
+    root = Path(args.models_dir) if args.models_dir else Path(tempfile.mkdtemp(prefix="bench-refit-"))
+    root.mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        for size in args.sizes.split(","):
+            r = bench_one(size.strip(), root, args.repeats, args.bucket_mb * 1024 * 1024)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    finally:
+        if not args.models_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {sys.version.split()[0]}")
+    print(table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
