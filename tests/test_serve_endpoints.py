@@ -85,3 +85,37 @@ def test_api_key_is_required_when_configured(service):
         assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # probes need no key
     finally:
         serve.delete("keyed")
+
+
+def test_chat_template_kwargs_reach_the_template(http, tiny_tokenizer):
+    """enable_thinking=false: the prompt closes an empty think block, and the output is content."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "no thinking"}], "max_tokens": 6, "seed": 8,
+            "chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
+    msg = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    suffix = tiny_tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert msg["prompt_token_ids"][-len(suffix):] == suffix
+    assert msg.get("reasoning_content") is None and msg["content"]
+
+
+def test_tool_choice_none_returns_text_not_tool_calls(http):
+    from serve_helpers import WEATHER_TOOL
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL],
+            "tool_choice": "none", "max_tokens": 6, "seed": 8}
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert not choice["message"].get("tool_calls") and choice["finish_reason"] in ("length", "stop")
+
+
+def test_responses_stream_ends_with_the_completed_response(openai_client):
+    import uuid
+
+    stream = openai_client.responses.create(model=MODEL, input="stream please", max_output_tokens=10, stream=True,
+                                            extra_body={"seed": 2}, extra_headers={"X-Rollout-Id": f"rs-{uuid.uuid4().hex[:8]}"})
+    events = list(stream)
+    assert events[0].type == "response.created"
+    done = events[-1]
+    assert done.type == "response.completed"
+    last = done.response.output[-1].model_dump()
+    assert len(last["generation_token_ids"]) == 10 and last["rollout"]["turn"] == 1
+    deltas = "".join(getattr(e, "delta", "") for e in events if e.type.endswith(".delta"))
+    assert deltas  # text streamed before the final event
