@@ -111,7 +111,7 @@ def test_multi_turn_tool_rollout_is_exactly_on_policy(openai_client, http, tiny_
     assert any(c["generation_token_ids"][-1] != IM_END for c in calls), "no turn exercised the missing end-of-turn path"
     seg = _trajectory_logprob_parity(http, tiny_model_dir, rid, calls, forced_turns, temperatures)
     assert [t["finish_reason"] for t in seg["turns"]][0] == "tool_calls"
-    assert all(w["version"] == "0" for w in seg["weight_versions"])
+    assert len({w["version"] for w in seg["weight_versions"]}) == 1  # no refit ran during this rollout
 
 
 def test_responses_api_rollout_is_exactly_on_policy(openai_client, http, tiny_tokenizer, tiny_model_dir):

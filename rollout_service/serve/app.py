@@ -71,6 +71,10 @@ class RolloutAffinity:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:
             self.replica_id = uuid.uuid4().hex[:8]
+        try:  # warm up now (tokenizer, engine handles, store), not on the first request
+            self._warmup = asyncio.get_running_loop().create_task(self._ready())
+        except RuntimeError:
+            self._warmup = None
 
     async def _ready(self):
         if self._runner is not None:

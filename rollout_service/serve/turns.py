@@ -228,7 +228,7 @@ class TurnRunner:
         final_chunk = None
         stream = payload.get("stream", False)
         streamer = _TextStreamer(self, payload, plan.prompt_ids)
-        async for chunk in self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens):
+        async for chunk in self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=stream):
             ids += chunk.token_ids
             lps += chunk.logprobs
             if chunk.top_logprobs:
@@ -299,7 +299,7 @@ class TurnRunner:
             sampling = self._sampling(payload)
             max_tokens = self._max_tokens(payload.get("max_tokens"), len(ids_in))
             ids, lps, final = [], [], None
-            async for chunk in self._generate(None, ids_in, sampling, max_tokens):
+            async for chunk in self._generate(None, ids_in, sampling, max_tokens, stream=bool(payload.get("stream"))):
                 ids += chunk.token_ids
                 lps += chunk.logprobs
                 final = chunk
@@ -331,8 +331,12 @@ class TurnRunner:
         )
         return {"content": out.content, "reasoning_content": out.reasoning_content, "tool_calls": out.tool_calls}
 
-    async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens):
-        """Stream from the pinned engine; if it died before producing a token, fail over once."""
+    async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True):
+        """Generate on the pinned engine; if it died before producing a token, fail over once.
+
+        Streaming calls get the engine's chunks as they come; a non-streaming call is one actor
+        round trip (``generate_all``), not one Ray object per token.
+        """
         for attempt in range(2):
             index = self.pool.pick(rollout_id)
             engine = self.pool.engines[index]
@@ -340,6 +344,11 @@ class TurnRunner:
             produced = False
             self.pool.load[index] += 1
             try:
+                if not stream:
+                    chunk = await engine.generate_all.remote(request)
+                    produced = True
+                    yield chunk
+                    return
                 async for ref in engine.generate.options(num_returns="streaming").remote(request):
                     chunk = await ref
                     produced = True
