@@ -78,6 +78,7 @@ async def test_http_rollouts_spanning_a_refit_carry_both_versions(service, train
             else:
                 assert spans == [{"version": old, "start": 0, "end": 700}]
             traj = httpx.get(f"{service.url}/v1/rollouts/{rid}").json()
+            assert trainer.get_rollout(rid) == traj  # the trainer reads the same trajectory via the handle
             seg = traj["segments"][0]
             offset = seg["turns"][0]["gen_start"]
             assert seg["weight_versions"] == [

@@ -202,6 +202,12 @@ class TrainerClient:
 
         return ray.get(self.controller.stats.remote(), timeout=60)
 
+    def get_rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        """The trajectory of one rollout (segments: token_ids, loss_mask, logprobs, weight_versions)."""
+        import ray
+
+        return ray.get(self.controller.get_rollout.remote(rollout_id), timeout=60)
+
     def weights_checksums(self) -> list[str]:
         import ray
 

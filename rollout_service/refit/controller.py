@@ -128,6 +128,23 @@ class RefitController:
     def current_version(self) -> str:
         return self.weight_version
 
+    async def get_rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        """A rollout's trajectory (the same document as ``GET /v1/rollouts/{id}``), None if unknown.
+
+        Read straight from the store, so a trainer needs no HTTP access to the service.
+        """
+        from rollout_service.onpolicy.trajectory import trajectory_export
+        from rollout_service.store.base import validate_rollout_id
+        from rollout_service.store.redis_store import RedisRolloutStore
+
+        validate_rollout_id(rollout_id)
+        if getattr(self, "_store", None) is None:
+            if not self.config.store.redis_url:
+                raise RuntimeError("store.redis_url is not configured")
+            self._store = RedisRolloutStore.from_config(self.config.store)
+        state = await self._store.load(rollout_id)
+        return None if state is None else trajectory_export(state)
+
     def is_refitting(self) -> bool:
         return self._refit_lock.locked()
 

@@ -29,6 +29,7 @@ from rollout_service.onpolicy import (
     parse_output,
     state_from_echo,
 )
+from rollout_service.onpolicy.trajectory import trajectory_export
 from rollout_service.onpolicy.types import RolloutState, WeightSpan
 from rollout_service.protocol.openai import ServiceError, bad_request
 from rollout_service.store.base import InvalidRolloutId, StoreUnavailable, TurnConflict, validate_rollout_id
@@ -440,24 +441,3 @@ def _core_error(exc: Exception) -> ServiceError:
         return ServiceError(409, str(exc), type="conflict_error", param=f"messages[{exc.index}].{exc.field}" if exc.index is not None else "messages",
                             code="non_monotonic_history")
     return ServiceError(400, str(exc), param="messages", code="unsupported_conversation")
-
-
-def trajectory_export(state: RolloutState) -> dict[str, Any]:
-    """The trainer's view: per segment exact ids, loss mask, logprobs, versions, turn boundaries."""
-    segments = []
-    for i, seg in enumerate(state.segments):
-        spans = [
-            {"version": w.version, "start": w.start, "end": w.end}
-            for t in seg.turns
-            for w in t.weight_versions
-        ]
-        segments.append({
-            "index": i,
-            "token_ids": list(seg.token_ids),
-            "loss_mask": list(seg.loss_mask),
-            "logprobs": list(seg.logprobs),
-            "weight_versions": spans,
-            "turns": [t.to_dict() for t in seg.turns],
-            "num_messages": len(seg.messages),
-        })
-    return {"id": state.rollout_id, "object": "rollout", "turns": state.turn, "segments": segments}

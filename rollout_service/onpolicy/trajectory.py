@@ -1,0 +1,28 @@
+"""The trainer's view of a rollout, as a JSON document (``GET /v1/rollouts/{id}``, ``get_rollout``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_service.onpolicy.types import RolloutState
+
+
+def trajectory_export(state: RolloutState) -> dict[str, Any]:
+    """The trainer's view: per segment exact ids, loss mask, logprobs, versions, turn boundaries."""
+    segments = []
+    for i, seg in enumerate(state.segments):
+        spans = [
+            {"version": w.version, "start": w.start, "end": w.end}
+            for t in seg.turns
+            for w in t.weight_versions
+        ]
+        segments.append({
+            "index": i,
+            "token_ids": list(seg.token_ids),
+            "loss_mask": list(seg.loss_mask),
+            "logprobs": list(seg.logprobs),
+            "weight_versions": spans,
+            "turns": [t.to_dict() for t in seg.turns],
+            "num_messages": len(seg.messages),
+        })
+    return {"id": state.rollout_id, "object": "rollout", "turns": state.turn, "segments": segments}
