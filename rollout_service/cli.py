@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rollout_service.runtime import apply_ray_env
+
+    apply_ray_env()
     args = build_parser().parse_args(argv)
     return args.func(args)
 

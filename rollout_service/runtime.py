@@ -16,14 +16,19 @@ RAY_ENV = {
 }
 
 
+def apply_ray_env() -> None:
+    """Set the defaults above; must run before ``import ray`` (Ray reads some of them at import)."""
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)
+
+
 def start_local_ray(num_cpus: int = 16, address: str | None = None) -> dict[str, Any]:
     """Connect to ``address`` (or RAY_ADDRESS) if given, else start a local single-node Ray.
 
     ``num_cpus`` is logical: the engines, affinity replicas and Serve proxy each reserve some, and a
     2-core machine must still place them all.
     """
-    for k, v in RAY_ENV.items():
-        os.environ.setdefault(k, v)
+    apply_ray_env()
     import ray
 
     if ray.is_initialized():

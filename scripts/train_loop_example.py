@@ -12,8 +12,8 @@ Agents talk to the service over HTTP (OpenAI chat completions at ``--base-url`` 
 when the endpoint does not answer, the agents drive the engine actors directly through the
 controller (token ids in, token ids + spans out) — the same engines, without the Serve app.
 
-    # against a running service (rollout-service up ...):
-    .venv/bin/python scripts/train_loop_example.py --steps 3
+    # against a running service (rollout-service up ...), joining its Ray cluster:
+    RAY_ADDRESS=auto .venv/bin/python scripts/train_loop_example.py --steps 3
     # standalone: starts its own controller + one engine on the tiny model
     .venv/bin/python scripts/train_loop_example.py --direct --steps 3
 """
@@ -63,7 +63,9 @@ class Trainer:
         self.model_path = model_path
         self.base_url = base_url
         self.max_tokens = max_tokens
-        self.version = int(ray.get(controller.current_version.remote()))
+        # Version labels are opaque strings; the trainer remembers their order to compute lag.
+        self.history = [ray.get(controller.current_version.remote())]
+        self.run = uuid.uuid4().hex[:4]
 
     def init(self) -> dict:
         return self.client.init_weight_sync()
@@ -121,8 +123,9 @@ class Trainer:
         # "Optimizer step": nudge the weights; then refit in flight.
         g = torch.Generator().manual_seed(step)
         self.weights = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in self.weights.items()}
-        self.version += 1
-        report = await asyncio.to_thread(self.client.refit, str(self.version), self.weights)
+        version = f"{self.run}-step{step}"
+        self.history.append(version)
+        report = await asyncio.to_thread(self.client.refit, version, self.weights)
         stats = await self.controller.stats.remote()
         results = await asyncio.gather(*tasks)
         lags = []
@@ -131,10 +134,10 @@ class Trainer:
             versions = [v for v, _, _ in r["spans"]]
             mixed += len(set(versions)) > 1
             for v, s, e in r["spans"]:
-                lags += [self.version - int(v)] * (e - s)
+                lags += [len(self.history) - 1 - self.history.index(v)] * (e - s)
         return {
             "step": step,
-            "version": str(self.version),
+            "version": version,
             "rollouts": rollouts,
             "tokens": sum(r["tokens"] for r in results),
             "rollouts_spanning_refit": mixed,
@@ -182,12 +185,12 @@ def main(argv=None) -> int:
     trainer = Trainer.remote(controller, model_path, base_url, args.max_tokens)
     try:
         print("weight sync:", ray.get(trainer.init.remote(), timeout=300))
-        header = f"{'step':>4} {'version':>7} {'tokens':>6} {'spanning':>8} {'lag mean':>8} {'lag max':>7} " \
+        header = f"{'step':>4} {'version':>12} {'tokens':>6} {'spanning':>8} {'lag mean':>8} {'lag max':>7} " \
                  f"{'in flight':>9} {'aborted':>7} {'refit s':>7} {'xfer s':>6} {'load s':>6}"
         print(header)
         for step in range(1, args.steps + 1):
             s = ray.get(trainer.step.remote(step, args.rollouts), timeout=600)
-            print(f"{s['step']:>4} {s['version']:>7} {s['tokens']:>6} {s['rollouts_spanning_refit']:>8} "
+            print(f"{s['step']:>4} {s['version']:>12} {s['tokens']:>6} {s['rollouts_spanning_refit']:>8} "
                   f"{s['token_lag_mean']:>8.2f} {s['token_lag_max']:>7} {s['in_flight_at_refit']:>9} "
                   f"{s['aborted']:>7} {s['refit_s']:>7.3f} {s['transfer_s']:>6.3f} {s['load_s']:>6.3f}")
     finally:

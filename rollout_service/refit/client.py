@@ -263,6 +263,12 @@ def _node_ip() -> str:
         import ray
 
         if ray.is_initialized():
+            # The address the cluster registered for this node (127.0.0.1 on a local cluster), not
+            # whatever interface this process would pick on its own.
+            node_id = ray.get_runtime_context().get_node_id()
+            for node in ray.nodes():
+                if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+                    return node["NodeManagerAddress"]
             return ray.util.get_node_ip_address()
     except Exception:
         pass

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
+from rollout_service.runtime import apply_ray_env
+
+apply_ray_env()  # before anything imports ray: keeps a local cluster on 127.0.0.1
 
 APP_NAME = "rollout-service"
 
