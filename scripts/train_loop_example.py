@@ -28,15 +28,9 @@ import sys
 import time
 import uuid
 
-for _k, _v in {
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_k, _v)
+from rollout_service.runtime import apply_local_env  # noqa: E402
+
+apply_local_env()
 
 import ray  # noqa: E402
 
