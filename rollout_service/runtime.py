@@ -49,15 +49,23 @@ def start_local_ray(num_cpus: int = 16, address: str | None = None) -> dict[str,
     if address:
         ctx = ray.init(address=address, namespace="rollout-service", ignore_reinit_error=True)
     else:
-        # Socket paths must stay under 108 bytes: keep the temp dir short.
-        temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-        ctx = ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            _temp_dir=temp_dir,
-            _node_ip_address="127.0.0.1",
-            namespace="rollout-service",
-            runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV}},
-            logging_level="WARNING",
-        )
+        # Socket paths must stay under 108 bytes: keep the temp dir short. On a loaded 2-core
+        # machine the raylet can time out waiting for its agents: retry once before giving up.
+        for attempt in range(2):
+            temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+            try:
+                ctx = ray.init(
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    _temp_dir=temp_dir,
+                    _node_ip_address="127.0.0.1",
+                    namespace="rollout-service",
+                    runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV}},
+                    logging_level="WARNING",
+                )
+                break
+            except Exception:
+                if attempt == 1:
+                    raise
+                ray.shutdown()
     return {"address": ctx.address_info.get("gcs_address")}

@@ -91,11 +91,12 @@ class LocalService:
         import ray
         from ray import serve
 
-        try:
-            serve.delete(APP_NAME)
-        except Exception:
-            pass
-        if self.controller is not None:
+        if ray.is_initialized():  # never start a Ray just to delete an app that was not deployed
+            try:
+                serve.delete(APP_NAME)
+            except Exception:
+                pass
+        if self.controller is not None and ray.is_initialized():
             try:
                 ray.get(self.controller.shutdown.remote(), timeout=60)
             except Exception:
