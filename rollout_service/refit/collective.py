@@ -180,17 +180,28 @@ def _header(code: int, index: int):
     return torch.tensor([code, index], dtype=torch.int64)
 
 
-def send_header(group: GlooGroup, code: int, index: int, *, poll: Callable[[], None] | None = None) -> None:
-    """Broadcast a header. ``poll`` is called while waiting (it may raise to give up)."""
-    import time
+def send_header(group: GlooGroup, code: int, index: int, *, poll: Callable[[], None] | None = None,
+                poll_interval_s: float = 0.02) -> None:
+    """Broadcast a header. ``poll`` is called while waiting (it may raise to give up).
 
+    The wait wakes on the broadcast's completion (a future callback), not on a sleep-poll tick: the
+    first header is the handshake, and every millisecond between the workers joining and the
+    trainer noticing it used to be added to the transfer. ``poll`` runs every ``poll_interval_s``.
+    """
     work = group.broadcast_async(_header(code, index))
     if poll is None:
         work.wait()
         return
+    import threading
+
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _fut: done.set())
+    except Exception:  # pragma: no cover - a backend without futures: fall back to a short tick
+        poll_interval_s = 0.002
     while not work.is_completed():
         poll()
-        time.sleep(0.002)
+        done.wait(poll_interval_s)
     work.wait()
 
 
@@ -270,8 +281,14 @@ def send_buckets(
                 pending = None
                 if on_bucket is not None:
                     on_bucket(i - 1)
-            send_header(group, HEADER_DATA, i, poll=None if joined else poll)
-            joined = True
+            if not joined:
+                # The handshake: wait (polling) until every worker is receiving.
+                send_header(group, HEADER_DATA, i, poll=poll)
+                joined = True
+            else:
+                # A worker that reads DATA always posts the bucket's receive next, so the data can be
+                # queued right behind the header: no trainer wake-up between the two.
+                group.broadcast_async(_header(HEADER_DATA, i))
             pending = group.broadcast_async(buf)
             sent += buf.numel()
         if pending is not None:
@@ -297,9 +314,12 @@ def receive_buckets(group: GlooGroup, plan: BucketPlan, buffers: list | None = N
 
     out: list[tuple[str, Any]] = []
     received: list = []
+    # The trainer follows every bucket with a header (the next bucket's, END or ABORT), so the next
+    # header's receive is posted together with the bucket's: one wake-up per bucket, not two.
+    header = torch.empty(2, dtype=torch.int64)
+    header_work = group.broadcast_async(header)
     for i, bucket in enumerate(plan.buckets):
-        header = torch.empty(2, dtype=torch.int64)
-        group.broadcast(header)
+        header_work.wait()
         code, index = int(header[0]), int(header[1])
         if code == HEADER_ABORT:
             raise TransferAborted(f"{ABORT_MESSAGE} after {i} of {len(plan.buckets)} buckets")
@@ -308,13 +328,15 @@ def receive_buckets(group: GlooGroup, plan: BucketPlan, buffers: list | None = N
         size = bucket_size(bucket)
         reuse = buffers[i] if buffers is not None and i < len(buffers) else None
         buf = reuse if reuse is not None and reuse.numel() == size else torch.empty(size, dtype=torch.uint8)
-        group.broadcast(buf)
+        data_work = group.broadcast_async(buf)
+        header = torch.empty(2, dtype=torch.int64)
+        header_work = group.broadcast_async(header)
+        data_work.wait()
         received.append(buf)
         for slot in bucket:
             dtype = getattr(torch, slot.dtype)
             out.append((slot.name, buf[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape)))
-    header = torch.empty(2, dtype=torch.int64)
-    group.broadcast(header)
+    header_work.wait()
     if int(header[0]) != HEADER_END:
         raise TransferAborted(f"{ABORT_MESSAGE} after all {len(plan.buckets)} buckets")
     return out, received
