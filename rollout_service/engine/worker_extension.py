@@ -109,18 +109,23 @@ class RolloutWorkerExtension:
     def rs_weight_sync_close(self) -> None:
         self._rs_group = None
 
-    def rs_bench_raw_receive(self, bucket_sizes: list[int]) -> float:
+    def rs_bench_raw_receive(self, bucket_sizes: list[int]) -> dict[str, float]:
         """Benchmark baseline: receive raw broadcasts of these sizes into preallocated, touched
-        buffers, after a one-header handshake (scripts/bench_refit.py times the trainer side)."""
+        buffers, after a one-header handshake (scripts/bench_refit.py times the trainer side).
+
+        Also timed here from the handshake on, the same window as ``rs_stage_collective``'s own
+        ``seconds`` (the report's ``worker_receive_s``)."""
         import torch
 
         bufs = [torch.zeros(n, dtype=torch.uint8) for n in bucket_sizes]
         header = torch.empty(2, dtype=torch.int64)
+        t_enter = time.perf_counter()
         self._rs_group.broadcast(header)
         t0 = time.perf_counter()
         for b in bufs:
             self._rs_group.broadcast(b)
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        return {"seconds": t1 - t0, "with_handshake_s": t1 - t_enter}
 
     # ----------------------------------------------------------------- staging
     def _rs_state(self):
