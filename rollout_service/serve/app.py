@@ -105,9 +105,7 @@ class RolloutAffinity:
         source = runner.run_completion(payload) if payload.get("kind") == "completion" else runner.run_call(payload)
         async for event in source:
             event["replica"] = self.replica_id
-            if payload.get("want_token_strs") and "generation_token_ids" in event or (
-                payload.get("want_token_strs") and event.get("kind") == "delta"
-            ):
+            if payload.get("want_token_strs") and event.get("kind") in ("delta", "final"):
                 event["token_strs"] = _token_strs(runner.tokenizer, event)
             yield event
 

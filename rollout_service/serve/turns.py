@@ -170,26 +170,25 @@ class TurnRunner:
             return exc.to_result()
 
     async def get_rollout(self, rollout_id: str) -> dict[str, Any]:
+        return await self._stored(rollout_id, self.store.load, lambda state: trajectory_export(state))
+
+    async def delete_rollout(self, rollout_id: str) -> dict[str, Any]:
+        return await self._stored(rollout_id, self.store.delete,
+                                  lambda _: {"id": rollout_id, "object": "rollout.deleted", "deleted": True})
+
+    async def _stored(self, rollout_id: str, op, answer) -> dict[str, Any]:
+        """Run a store operation on one rollout; map invalid id / unknown / store down to 400 / 404 / 503."""
         try:
             validate_rollout_id(rollout_id)
-            state = await self.store.load(rollout_id)
+            result = await op(rollout_id)
         except InvalidRolloutId as exc:
             return bad_request(str(exc), param="rollout_id").to_result()
         except StoreUnavailable as exc:
             return ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable").to_result()
-        if state is None:
-            return ServiceError(404, f"rollout {rollout_id!r} not found", type="not_found_error", code="rollout_not_found").to_result()
-        return trajectory_export(state)
-
-    async def delete_rollout(self, rollout_id: str) -> dict[str, Any]:
-        try:
-            validate_rollout_id(rollout_id)
-            deleted = await self.store.delete(rollout_id)
-        except InvalidRolloutId as exc:
-            return bad_request(str(exc), param="rollout_id").to_result()
-        if not deleted:
-            return ServiceError(404, f"rollout {rollout_id!r} not found", type="not_found_error", code="rollout_not_found").to_result()
-        return {"id": rollout_id, "object": "rollout.deleted", "deleted": True}
+        if not result:
+            return ServiceError(404, f"rollout {rollout_id!r} not found", type="not_found_error",
+                                code="rollout_not_found").to_result()
+        return answer(result)
 
     async def run_call(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Run one model call; yield ``delta`` events then one ``final`` event (or one error)."""
