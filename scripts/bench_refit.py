@@ -65,14 +65,14 @@ def raw_broadcast_s(client, engine, bucket_sizes: list[int]) -> tuple[float, flo
     ref = engine.collective_rpc.remote("rs_bench_raw_receive", args=(bucket_sizes,))
     group.broadcast(torch.zeros(2, dtype=torch.int64))  # handshake: the worker is receiving
     t0 = time.perf_counter()
-    for b in bufs:
-        group.broadcast(b)
+    for w in [group.broadcast_async(b) for b in bufs]:  # all posted at once, as the refit does
+        w.wait()
     dt = time.perf_counter() - t0
     worker = ray.get(ref)[0]
     return dt, worker["with_handshake_s"]
 
 
-def bench_one(size: str, root: Path, repeats: int, bucket_bytes: int) -> dict:
+def bench_one(size: str, root: Path, repeats: int, bucket_bytes: int, transports: tuple[str, ...]) -> dict:
     import ray
     import torch
     from safetensors.torch import load_file, save_file
@@ -109,40 +109,50 @@ def bench_one(size: str, root: Path, repeats: int, bucket_bytes: int) -> dict:
 
         raw_s = []
         raw_worker_s = []
-        reports: dict[str, list[dict]] = {"collective": [], "object_store": [], "path": []}
+        reports: dict[str, list[dict]] = {t: [] for t in ("collective", "object_store", "path")}
         refit("collective", perturbed(0))  # warm-up: first-touch of every buffer on both sides
+        refit("collective", perturbed(0))  # (the worker alternates two sets of receive buffers)
         raw_broadcast_s(client, engine, sizes)
         ckpt = root / f"ckpt-{size}"
         ckpt.mkdir(exist_ok=True)
         shutil.copy(mdir / "config.json", ckpt / "config.json")
         for i in range(repeats):
+            # Each collective refit right after its raw baseline: the ratio is taken per pair.
             trainer_s, worker_s = raw_broadcast_s(client, engine, sizes)
             raw_s.append(trainer_s)
             raw_worker_s.append(worker_s)
             reports["collective"].append(refit("collective", perturbed(i + 1)))
-            reports["object_store"].append(refit("object_store", perturbed(i + 1)))
-            save_file(perturbed(i + 1), str(ckpt / "model.safetensors"))
-            reports["path"].append(refit("path", str(ckpt)))
+            if "object_store" in transports:
+                reports["object_store"].append(refit("object_store", perturbed(i + 1)))
+            if "path" in transports:
+                save_file(perturbed(i + 1), str(ckpt / "model.safetensors"))
+                reports["path"].append(refit("path", str(ckpt)))
         assert all(r["ok"] and r["requests_aborted"] == 0 for rs in reports.values() for r in rs)
         nbytes = plan.total_bytes
         med = lambda xs: statistics.median(xs)  # noqa: E731
+        col = reports["collective"]
         out = {
             "model": size,
             "params": nparams,
             "bytes": nbytes,
             "buckets": len(plan.buckets),
+            "raw_messages": len(sizes),
             "engine_start_s": start_s,
             "raw_s": med(raw_s),
             "raw_gbps": nbytes / med(raw_s) / 1e9,
             "raw_worker_s": med(raw_worker_s),
+            # Per pair (raw, then the refit right after it), then the median over the pairs.
+            "send_vs_raw": med([r / c["trainer_send_s"] for r, c in zip(raw_s, col)]),
+            "send_vs_raw_all": [round(r / c["trainer_send_s"], 3) for r, c in zip(raw_s, col)],
+            "transfer_vs_raw": med([r / c["transfer_s"] for r, c in zip(raw_s, col)]),
+            "receive_vs_raw_worker": med([r / c["worker_receive_s"] for r, c in zip(raw_worker_s, col)]),
         }
+        keys = ("pause_s", "transfer_s", "trainer_send_s", "worker_receive_s", "load_s", "resume_s", "total_s")
         for name, rs in reports.items():
-            out[name] = {k: med([r[k] for r in rs]) for k in ("pause_s", "transfer_s", "worker_receive_s", "load_s", "resume_s", "total_s")}
-            out[name]["transfer_gbps"] = nbytes / out[name]["transfer_s"] / 1e9 if out[name]["transfer_s"] else None
+            if not rs:
+                continue
+            out[name] = {k: med([r[k] for r in rs]) for k in keys if rs[0].get(k) is not None}
             out[name]["e2e_gbps"] = nbytes / out[name]["total_s"] / 1e9
-        out["collective_transfer_vs_raw"] = out["collective"]["transfer_gbps"] / out["raw_gbps"]
-        # The worker's own receive (handshake to END) against the raw receive timed the same way.
-        out["collective_worker_receive_vs_raw_worker"] = out["raw_worker_s"] / out["collective"]["worker_receive_s"]
         out["collective_e2e_vs_raw"] = out["collective"]["e2e_gbps"] / out["raw_gbps"]
         return out
     finally:
@@ -154,19 +164,20 @@ def bench_one(size: str, root: Path, repeats: int, bucket_bytes: int) -> dict:
 
 def table(results: list[dict]) -> str:
     rows = [
-        "| model | params | MB | raw gloo GB/s | refit transfer s | transfer GB/s | transfer / raw | "
-        "worker receive s | raw worker s | receive / raw (worker-timed) | load s | "
-        "pause s | resume s | pause→resume s | e2e / raw | object store pause→resume s | path pause→resume s |",
+        "| model | params | MB | messages (refit / raw) | raw gloo GB/s | refit send s | send / raw | "
+        "stage step s | stage / raw | worker receive / raw worker | load s | pause s | resume s | "
+        "pause→resume s | e2e / raw | object store pause→resume s | path pause→resume s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         c = r["collective"]
+        other = lambda t: f"{r[t]['total_s']:.3f}" if t in r else "–"  # noqa: E731
         rows.append(
-            f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['bytes'] / 1e6:.0f} | {r['raw_gbps']:.2f} | "
-            f"{c['transfer_s']:.3f} | {c['transfer_gbps']:.2f} | {r['collective_transfer_vs_raw']:.2f} | "
-            f"{c['worker_receive_s']:.3f} | {r['raw_worker_s']:.3f} | {r['collective_worker_receive_vs_raw_worker']:.2f} | "
+            f"| {r['model']} | {r['params'] / 1e6:.0f}M | {r['bytes'] / 1e6:.0f} | {r['buckets']} / {r['raw_messages']} | "
+            f"{r['raw_gbps']:.2f} | {c['trainer_send_s']:.3f} | {r['send_vs_raw']:.2f} | "
+            f"{c['transfer_s']:.3f} | {r['transfer_vs_raw']:.2f} | {r['receive_vs_raw_worker']:.2f} | "
             f"{c['load_s']:.3f} | {c['pause_s']:.3f} | {c['resume_s']:.3f} | {c['total_s']:.3f} | "
-            f"{r['collective_e2e_vs_raw']:.2f} | {r['object_store']['total_s']:.3f} | {r['path']['total_s']:.3f} |"
+            f"{r['collective_e2e_vs_raw']:.2f} | {other('object_store')} | {other('path')} |"
         )
     return "\n".join(rows)
 
@@ -174,7 +185,9 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="tiny,50m,200m")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--transports", default="collective,object_store,path",
+                    help="collective always runs; object_store / path refits run between collective ones")
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--models-dir", default=None, help="keep the built models here (default: a temp dir)")
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
@@ -188,7 +201,8 @@ def main(argv=None) -> int:
     results = []
     try:
         for size in args.sizes.split(","):
-            r = bench_one(size.strip(), root, args.repeats, args.bucket_mb * 1024 * 1024)
+            r = bench_one(size.strip(), root, args.repeats, args.bucket_mb * 1024 * 1024,
+                          tuple(t.strip() for t in args.transports.split(",")))
             print(json.dumps(r), flush=True)
             results.append(r)
     finally:

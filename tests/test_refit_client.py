@@ -60,8 +60,17 @@ def _receiver(port, plan_json, q):
         q.put(("error", repr(exc)))
 
 
-def _run(fail_after: int | None):
-    sd = state_dict()
+class _UnpackableLast(dict):
+    """A state dict whose last tensor cannot be read once the transfer started (packing fails)."""
+
+    def __getitem__(self, name):
+        if name == list(self)[-1]:
+            raise KeyError(f"{name} vanished mid-transfer")
+        return super().__getitem__(name)
+
+
+def _run(fail_after: int | None, sd=None):
+    sd = sd if sd is not None else state_dict()
     plan = plan_for_state_dict(sd, bucket_bytes=4096)
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -77,7 +86,7 @@ def _run(fail_after: int | None):
     err = None
     try:
         send_buckets(group, sd, plan, on_bucket=on_bucket)
-    except RuntimeError as exc:
+    except (RuntimeError, KeyError) as exc:
         err = exc
     result = q.get(timeout=60)
     p.join(30)
@@ -96,6 +105,13 @@ def test_trainer_failure_after_a_bucket_aborts_every_receiver():
     _, plan, (status, message), err = _run(0)
     assert str(err) == "injected"
     assert status == "aborted" and ABORT_MESSAGE in message and f"after 1 of {len(plan.buckets)}" in message
+
+
+def test_packing_failure_mid_transfer_completes_the_broadcast_and_aborts():
+    # The workers posted a receive for every bucket: the unsent ones go as filler, then ABORT.
+    _, plan, (status, message), err = _run(None, _UnpackableLast(state_dict()))
+    assert isinstance(err, KeyError) and len(plan.buckets) == 2  # bucket 0 sent, bucket 1 filler
+    assert status == "aborted" and ABORT_MESSAGE in message
 
 
 def test_client_imports_without_vllm_or_ray():

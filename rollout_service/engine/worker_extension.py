@@ -110,20 +110,21 @@ class RolloutWorkerExtension:
         self._rs_group = None
 
     def rs_bench_raw_receive(self, bucket_sizes: list[int]) -> dict[str, float]:
-        """Benchmark baseline: receive raw broadcasts of these sizes into preallocated, touched
-        buffers, after a one-header handshake (scripts/bench_refit.py times the trainer side).
-
-        Also timed here from the handshake on, the same window as ``rs_stage_collective``'s own
+        """Benchmark baseline: raw broadcasts of these sizes into preallocated, touched buffers,
+        every receive posted at once behind a one-header handshake (scripts/bench_refit.py times
+        the trainer side). Timed here from the handshake on: the window of ``rs_stage_collective``'s
         ``seconds`` (the report's ``worker_receive_s``)."""
         import torch
 
         bufs = [torch.zeros(n, dtype=torch.uint8) for n in bucket_sizes]
         header = torch.empty(2, dtype=torch.int64)
         t_enter = time.perf_counter()
-        self._rs_group.broadcast(header)
+        header_work = self._rs_group.broadcast_async(header)
+        works = [self._rs_group.broadcast_async(b) for b in bufs]
+        header_work.wait()
         t0 = time.perf_counter()
-        for b in bufs:
-            self._rs_group.broadcast(b)
+        for w in works:
+            w.wait()
         t1 = time.perf_counter()
         return {"seconds": t1 - t0, "with_handshake_s": t1 - t_enter}
 

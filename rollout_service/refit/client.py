@@ -175,8 +175,10 @@ class TrainerClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine workers did not join the broadcast within {timeout}s")
 
+        timings: dict[str, float] = {}
         try:
-            send_buckets(self._group, params, plan, on_bucket=on_bucket, poll=poll, buffers=self._pack_buffers)
+            send_buckets(self._group, params, plan, on_bucket=on_bucket, poll=poll, buffers=self._pack_buffers,
+                         timings=timings)
         except GroupOutOfSync as exc:
             # Nobody received the first header: it is still pending on our side, so the group is
             # out of step with the workers. Re-create it before the next collective refit.
@@ -189,7 +191,9 @@ class TrainerClient:
                 raise failed from exc
             raise
         try:
-            return _get(ref, _overall(timeout))
+            report = _get(ref, _overall(timeout))
+            report["trainer_send_s"] = timings.get("send_s")
+            return report
         except RefitFailed as failed:
             report = failed.report or {}
             if report.get("failed_step") == "transfer" and ABORT_MESSAGE not in (report.get("error") or ""):

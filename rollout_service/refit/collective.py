@@ -7,11 +7,13 @@ store). It never touches torch's default process group: vLLM's worker owns that 
 usually has its own (FSDP, ...). This is the same construction vLLM's stateless process-group
 helpers use, minus the vLLM import.
 
-A refit is a sequence of buckets. Before each bucket the trainer broadcasts a small header
-(``[code, bucket_index]``); ``DATA`` means one flat ``uint8`` buffer of the bucket's size follows,
-``ABORT`` means the trainer gave up: every receiver drops what it got and raises
-:class:`TransferAborted`, so no engine loads a partial state dict. The first header doubles as the
-readiness handshake (the broadcast completes only once every worker is receiving, i.e. paused).
+A refit is one handshake header, the buckets, and one trailer header, all broadcasts. Every
+worker posts the receives of all three (the plan says how many buckets and their sizes) before
+the trainer starts, so the buckets flow back to back with no per-bucket round trip. The handshake
+``[START, n]`` completes only once every worker is receiving (i.e. paused). The trailer ``[END, n]``
+commits the transfer; ``[ABORT, k]`` means the trainer gave up after ``k`` buckets (the rest of the
+buckets were sent as filler to keep every rank in step): every receiver drops what it got and
+raises :class:`TransferAborted`, so no engine loads a partial state dict.
 The bucket plan (names, dtypes, shapes, byte offsets) travels with the refit call, not over gloo.
 """
 
@@ -20,10 +22,11 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-HEADER_DATA = 1
+HEADER_START = 1
 HEADER_ABORT = 2
 HEADER_END = 3
 
@@ -210,8 +213,8 @@ def send_header(group: GlooGroup, code: int, index: int, *, poll: Callable[[], N
 
 
 class PackBuffers:
-    """Trainer-side send buffers kept across refits: two per bucket size (bucket i+1 is packed
-    while bucket i is on the wire). Reuse saves the page faults of fresh buffers on every refit."""
+    """Trainer-side send buffers kept across refits: two per bucket size (a bucket is packed while
+    the previous one of that size is on the wire). Reuse saves the page faults of fresh buffers."""
 
     def __init__(self):
         self._bufs: dict[tuple[int, int], Any] = {}
@@ -262,85 +265,111 @@ def send_buckets(
     on_bucket: Callable[[int], None] | None = None,
     poll: Callable[[], None] | None = None,
     buffers: PackBuffers | None = None,
+    timings: dict[str, float] | None = None,
 ) -> int:
-    """Trainer side. Packs bucket i+1 while bucket i is on the wire. Returns bytes sent.
+    """Trainer side: handshake, every bucket posted back to back, trailer. Returns bytes sent.
 
-    ``poll`` runs while waiting for the workers to join the first header (it raises to give up,
-    e.g. when the controller already failed; the group is then out of sync). If ``on_bucket``
-    (called after each bucket is on the wire) or packing raises after the workers joined, they are
-    all told to abort, so none keeps a partial state dict, and the exception propagates. The
-    trailing ``END`` header is what commits the transfer on the worker side.
+    ``poll`` runs while waiting for the workers to join the handshake (it raises to give up, e.g.
+    when the controller already failed; the group is then out of sync). After the handshake every
+    bucket is posted without waiting for the previous one (large tensors straight from their
+    memory, small ones packed into one of two reused buffers per size, the packing overlapping the
+    wire), so the bytes flow as in a raw broadcast. ``on_bucket(i)`` runs once bucket ``i`` is on
+    the wire. ``timings`` (if given) gets ``handshake_s`` (waiting for the workers to join) and
+    ``send_s`` (handshake done -> END sent: the bytes' time on the wire). If it or the packing raises, the broadcast is still completed (unsent buckets as
+    filler) and the trailer says ABORT: every worker drops what it got, no engine keeps a partial
+    state dict, and the exception propagates. The trailer ``END`` is what commits the transfer.
     """
-    sent = 0
-    pending = None
+    n = len(plan.buckets)
+    works: list = []  # one per posted bucket
+    on_wire = 0  # buckets known to be on the wire (in order)
+    pack_busy: dict[tuple[int, int], int] = {}  # pack buffer -> index of the bucket using it
+
+    def drain(upto: int) -> None:
+        nonlocal on_wire
+        while on_wire <= upto:
+            works[on_wire].wait()
+            on_wire += 1
+            if on_bucket is not None:
+                on_bucket(on_wire - 1)
+
     joined = False
+    t0 = time.perf_counter()
     try:
+        send_header(group, HEADER_START, n, poll=poll)  # the handshake: every worker is receiving
+        joined = True
+        t_joined = time.perf_counter()
         for i, bucket in enumerate(plan.buckets):
-            # Buffer i % 2 is free: bucket i-2 completed before bucket i-1 was started.
             buf = _direct_view(params, bucket)
             if buf is None:
-                buf = pack_bucket(params, bucket, buffers.get(bucket_size(bucket), i) if buffers is not None else None)
-            if pending is not None:
-                pending.wait()
-                pending = None
-                if on_bucket is not None:
-                    on_bucket(i - 1)
-            if not joined:
-                # The handshake: wait (polling) until every worker is receiving.
-                send_header(group, HEADER_DATA, i, poll=poll)
-                joined = True
-            else:
-                # A worker that reads DATA always posts the bucket's receive next, so the data can be
-                # queued right behind the header: no trainer wake-up between the two.
-                group.broadcast_async(_header(HEADER_DATA, i))
-            pending = group.broadcast_async(buf)
-            sent += buf.numel()
-        if pending is not None:
-            pending.wait()
-            pending = None
-            if on_bucket is not None:
-                on_bucket(len(plan.buckets) - 1)
-        send_header(group, HEADER_END, len(plan.buckets), poll=None if joined else poll)
+                key = (bucket_size(bucket), i % 2)
+                if key in pack_busy:
+                    drain(pack_busy[key])  # that buffer's previous bucket must be on the wire
+                pack_busy[key] = i
+                buf = pack_bucket(params, bucket, buffers.get(*key) if buffers is not None else None)
+            works.append(group.broadcast_async(buf))
+        drain(n - 1)
+        send_header(group, HEADER_END, n)
+        if timings is not None:
+            timings.update(handshake_s=t_joined - t0, send_s=time.perf_counter() - t_joined)
     except BaseException as exc:
         if not joined:
             raise GroupOutOfSync(f"workers never joined the broadcast: {exc!r}") from exc
-        if pending is not None:
-            pending.wait()
-        send_header(group, HEADER_ABORT, -1)
+        _complete_with_filler(group, plan, works)
+        send_header(group, HEADER_ABORT, on_wire)
         raise
-    return sent
+    return plan.total_bytes
+
+
+def _complete_with_filler(group: GlooGroup, plan: BucketPlan, works: list) -> None:
+    """Every worker posted a receive per bucket: the ones never sent get filler bytes (discarded)."""
+    import torch
+
+    sizes = [bucket_size(b) for b in plan.buckets[len(works):]]
+    if sizes:
+        filler = torch.empty(max(sizes), dtype=torch.uint8)
+        works = works + [group.broadcast_async(filler[:size]) for size in sizes]
+    for w in works:
+        try:
+            w.wait()
+        except Exception:  # pragma: no cover - the ABORT trailer (or its timeout) reports the failure
+            pass
 
 
 def receive_buckets(group: GlooGroup, plan: BucketPlan, buffers: list | None = None) -> tuple[list[tuple[str, Any]], list]:
     """Worker side: (name, tensor) pairs as views into the received buffers (no extra copy), and
-    the buffers. ``buffers`` (one per bucket, right sizes) are reused instead of allocating."""
+    the buffers. ``buffers`` (one per bucket, right sizes) are reused instead of allocating.
+
+    The handshake's, every bucket's and the trailer's receives are all posted at once, before the
+    trainer starts: gloo's threads then take each bucket as soon as the previous one is in, with
+    no Python wake-up between buckets.
+    """
     import torch
 
-    out: list[tuple[str, Any]] = []
-    received: list = []
-    # The trainer follows every bucket with a header (the next bucket's, END or ABORT), so the next
-    # header's receive is posted together with the bucket's: one wake-up per bucket, not two.
+    n = len(plan.buckets)
     header = torch.empty(2, dtype=torch.int64)
     header_work = group.broadcast_async(header)
+    received = []
     for i, bucket in enumerate(plan.buckets):
-        header_work.wait()
-        code, index = int(header[0]), int(header[1])
-        if code == HEADER_ABORT:
-            raise TransferAborted(f"{ABORT_MESSAGE} after {i} of {len(plan.buckets)} buckets")
-        if code != HEADER_DATA or index != i:
-            raise RuntimeError(f"weight broadcast out of sync: expected bucket {i}, got header {code},{index}")
         size = bucket_size(bucket)
         reuse = buffers[i] if buffers is not None and i < len(buffers) else None
-        buf = reuse if reuse is not None and reuse.numel() == size else torch.empty(size, dtype=torch.uint8)
-        data_work = group.broadcast_async(buf)
-        header = torch.empty(2, dtype=torch.int64)
-        header_work = group.broadcast_async(header)
-        data_work.wait()
-        received.append(buf)
+        received.append(reuse if reuse is not None and reuse.numel() == size else torch.empty(size, dtype=torch.uint8))
+    data_works = [group.broadcast_async(buf) for buf in received]
+    trailer = torch.empty(2, dtype=torch.int64)
+    trailer_work = group.broadcast_async(trailer)
+    header_work.wait()
+    if (int(header[0]), int(header[1])) != (HEADER_START, n):
+        raise RuntimeError(f"weight broadcast out of sync: expected a {n}-bucket handshake, got {header.tolist()}")
+    for w in data_works:
+        w.wait()
+    trailer_work.wait()
+    code, count = int(trailer[0]), int(trailer[1])
+    if code == HEADER_ABORT:
+        raise TransferAborted(f"{ABORT_MESSAGE} after {count} of {n} buckets")
+    if (code, count) != (HEADER_END, n):
+        raise RuntimeError(f"weight broadcast out of sync: expected END after {n} buckets, got {trailer.tolist()}")
+    out: list[tuple[str, Any]] = []
+    for bucket, buf in zip(plan.buckets, received):
         for slot in bucket:
             dtype = getattr(torch, slot.dtype)
             out.append((slot.name, buf[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape)))
-    header_work.wait()
-    if int(header[0]) != HEADER_END:
-        raise TransferAborted(f"{ABORT_MESSAGE} after all {len(plan.buckets)} buckets")
     return out, received

@@ -19,6 +19,7 @@ class RefitReport:
     pause_s: float = 0.0  # pause(keep) on every engine
     transfer_s: float = 0.0  # stage the new state dict in every worker (model untouched)
     worker_receive_s: float = 0.0  # of which: the slowest worker's own receive / read
+    trainer_send_s: float | None = None  # collective: trainer's handshake done -> END sent (the bytes' time on the wire)
     load_s: float = 0.0  # in-place reload_weights in every worker
     resume_s: float = 0.0  # label + commit + resume
     total_s: float = 0.0  # pause start -> resume done (the engines' stall)
