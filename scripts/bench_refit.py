@@ -2,18 +2,21 @@
 
 For each model (the tiny one, then random ~50M and ~200M-parameter Qwen3 models built with
 ``build_tiny_model(config_overrides=...)``): start one engine behind a RefitController, form the
-gloo group with a TrainerClient in this process (rank 0), then
+gloo group with a TrainerClient in this process (rank 0), then, ``--repeats`` times:
 
-- raw: broadcast the refit's bucket sizes from preallocated buffers into preallocated buffers on
-  the worker, over the same group, timed on the trainer after a handshake (the ceiling: the same
-  bytes as one buffer in bucket-size chunks, no packing, no per-tensor messages, no RPCs);
-- refit (collective): ``TrainerClient.refit`` with the model's state dict (perturbed each time);
-  transfer rate = bytes / transfer step, end-to-end rate = bytes / (pause -> resume);
+- raw: broadcast the same bytes as one buffer in bucket-size chunks from preallocated, touched
+  buffers into preallocated, touched buffers on the worker, over the same group, every message
+  posted at once on both sides, timed on the trainer after a handshake (the ceiling: no packing,
+  no per-tensor messages, no RPCs) and on the worker from its handshake;
+- right after it, a collective refit (``TrainerClient.refit``, state dict perturbed each time):
+  *send* = the trainer's handshake -> END (the same window as raw), *stage step* = the
+  controller's transfer step (adds the stage RPC's round trip), each compared to the raw broadcast
+  of its own pair; the median over pairs is reported;
 - object store and checkpoint path: the same refit through the other transports.
 
 One engine at a time (2-core machine). Usage::
 
-    .venv/bin/python scripts/bench_refit.py [--sizes tiny,50m,200m] [--repeats 3] [--out results.json]
+    .venv/bin/python scripts/bench_refit.py [--sizes tiny,50m,200m] [--repeats 5] [--transports ...] [--out results.json]
 """
 
 from __future__ import annotations

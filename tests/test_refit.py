@@ -304,3 +304,15 @@ async def test_concurrent_refit_is_rejected_and_new_requests_wait_for_the_refit(
     assert last.weight_versions == [("8", 0, 32)]  # served entirely by the new weights
     m8 = hf_model(tiny_model_dir, w8, 8)
     assert max_abs(lps, hf_sampled_logprobs(m8, prompt, ids)) <= 1e-4
+
+
+async def test_nccl_round_that_fails_in_the_worker_resumes_engines_and_releases_the_lock(
+    controller, engine, client, base_weights
+):
+    # The GPU path's control plane on a real engine: this CPU engine has no NCCL weight-transfer
+    # engine configured, so vLLM's worker refuses start_weight_update after the controller paused.
+    with pytest.raises(Exception, match="weight_transfer_config|weight transfer"):
+        await controller.nccl_start_weight_update.remote()
+    assert not await engine.is_paused.remote()
+    assert not (await controller.stats.remote())["refitting"]
+    assert (await asyncio.to_thread(client.refit, "10", perturbed(base_weights, seed=10)))["ok"]

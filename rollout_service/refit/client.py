@@ -226,7 +226,7 @@ class TrainerClient:
         from rollout_service.refit.transports import ControllerWeightSyncClient
 
         world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
-        self._nccl_source = _StateDictSource()
+        self._nccl_source = state_dict_weight_source()
         self._nccl_client = ControllerWeightSyncClient(self.controller, timeout_s=timeout)
         self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(
             NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world, rank=0),
@@ -236,12 +236,20 @@ class TrainerClient:
         return {"backend": "nccl", "host": host, "port": port, "world_size": world}
 
     def _refit_nccl(self, version: str, params) -> dict[str, Any]:  # pragma: no cover - GPU only
+        import ray
+
+        from rollout_service.refit.types import RefitReport
+
+        previous = ray.get(self.controller.current_version.remote(), timeout=60)
         t0 = time.perf_counter()
         self._nccl_source.params = params
         self._nccl_client.version = version
         self._nccl.send_weights()  # start_weight_update -> update_weights || broadcast -> finish
-        nbytes = sum(t.numel() * t.element_size() for t in params.values())
-        return {"version": version, "transport": "nccl", "ok": True, "bytes": nbytes, "total_s": time.perf_counter() - t0}
+        return RefitReport(
+            version=version, previous_version=previous, transport="nccl", ok=True,
+            bytes=sum(t.numel() * t.element_size() for t in params.values()), num_tensors=len(params),
+            total_s=time.perf_counter() - t0,
+        ).to_dict()
 
 
 def _get(ref, timeout: float):
@@ -279,22 +287,22 @@ def _node_ip() -> str:
     return "127.0.0.1"
 
 
-class _StateDictSource:  # pragma: no cover - GPU only
-    """vLLM ``WeightSource`` over the state dict of the current refit."""
+def state_dict_weight_source():
+    """vLLM's ``WeightSource`` over the state dict of the current refit (set ``.params`` per round).
 
-    params: Mapping[str, Any] = {}
+    Built on first use: this module imports without vLLM. Only the two abstract methods are ours;
+    vLLM's defaults group the stream and ``NCCLTrainerWeightTransferEngine`` checks each yielded
+    tensor against ``metadata()``."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    def metadata(self):
-        from vllm.distributed.weight_transfer.base import ParamMeta
+    class StateDictWeightSource(WeightSource):
+        def __init__(self, params: Mapping[str, Any] | None = None):
+            self.params = params or {}
 
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.params.items()]
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.params.items()]
 
-    def __iter__(self):
-        return iter(self.params.items())
+        def __iter__(self):
+            return iter(list(self.params.items()))
 
-    def held_names(self):
-        return None
-
-    def iter_groups(self):
-        for name, t in self.params.items():
-            yield [name], [t]
+    return StateDictWeightSource()

@@ -353,6 +353,9 @@ class RefitController:
             *[e.collective_rpc.remote("init_weight_transfer_engine", kwargs={"init_info": init_info}) for e in self.engines]
         )
 
+    async def nccl_shutdown_weight_transfer_engine(self) -> None:
+        await asyncio.gather(*[e.collective_rpc.remote("shutdown_weight_transfer_engine") for e in self.engines])
+
     async def nccl_start_weight_update(self) -> None:
         if self._refit_lock.locked():
             raise RefitInProgress("a refit is already running")

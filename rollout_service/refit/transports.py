@@ -99,6 +99,9 @@ class ControllerWeightSyncClient:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._call("nccl_init_weight_transfer_engine", init_info)
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("nccl_shutdown_weight_transfer_engine")
+
     def start_weight_update(self) -> None:
         self._call("nccl_start_weight_update")
 
