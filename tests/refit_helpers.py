@@ -1,0 +1,56 @@
+"""Shared by the refit test modules: weight perturbations, prompts, rollouts started mid-refit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from engine_helpers import stream_generation
+
+N_ROLLOUTS = 8
+
+
+def perturbed(base: dict, seed: int, scale: float = 0.05) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in base.items()}
+
+
+def prompts(tok, tag: str, n: int = N_ROLLOUTS) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        ids = tok.apply_chat_template([{"role": "user", "content": f"{tag} rollout {i}: tell a story"}],
+                                      add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    return out
+
+
+async def start_rollouts(engine, prompt_list, *, seed0: int, max_tokens: int, min_tokens_each: int = 4):
+    """Start streaming rollouts and return once every one of them is mid-generation."""
+    counts = [0] * len(prompt_list)
+
+    def counter(i):
+        def on_chunk(chunk):
+            counts[i] += len(chunk.token_ids)
+        return on_chunk
+
+    tasks = [
+        asyncio.create_task(
+            stream_generation(engine, p, seed=seed0 + i, max_tokens=max_tokens, ignore_eos=True, on_chunk=counter(i))
+        )
+        for i, p in enumerate(prompt_list)
+    ]
+    deadline = time.monotonic() + 60
+    while min(counts) < min_tokens_each:
+        assert time.monotonic() < deadline, f"rollouts did not start: {counts}"
+        await asyncio.sleep(0.01)
+    return tasks, counts
+
+
+def split_at_refit(spans, old: str, new: str, n: int) -> int:
+    assert [s[0] for s in spans] == [old, new], spans
+    assert spans[0][1] == 0 and spans[0][2] == spans[1][1] and spans[1][2] == n, spans
+    k = spans[0][2]
+    assert 0 < k < n, f"refit boundary {k} not inside the generation of {n} tokens"
+    return k

@@ -1,0 +1,107 @@
+"""Refit with two engines: one gloo group of three ranks (trainer + a worker per engine).
+
+The rank layout, the broadcast to several receivers with every receive posted up front, and the
+all-or-nothing rules (no engine loads unless every engine staged everything; an aborted transfer
+leaves every engine on its old weights) only show with more than one engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from refit_helpers import perturbed, prompts, split_at_refit, start_rollouts
+
+pytestmark = pytest.mark.engine
+
+PER_ENGINE = 3
+
+
+@pytest.fixture(scope="module")
+def controller(ray_session, tiny_model_dir):
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.refit.controller import RefitController
+
+    cfg = RolloutServiceConfig.model_validate(
+        {"engine": {"model": str(tiny_model_dir), "num_engines": 2, "num_cpus_per_engine": 0},
+         "refit": {"step_timeout_s": 60}}
+    )
+    actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())
+    ray.get(actor.start.remote(), timeout=600)
+    yield actor
+    try:
+        ray.get(actor.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def engines(controller):
+    engines = ray.get(controller.get_engines.remote())
+    assert len(engines) == 2
+    return engines
+
+
+@pytest.fixture(scope="module")
+def client(controller):
+    from rollout_service.refit.client import TrainerClient
+
+    c = TrainerClient(controller, timeout_s=60, bucket_bytes=8 * 1024 * 1024)  # several buckets
+    info = c.init_weight_sync()
+    assert info["world_size"] == 3 and sorted(info["worker_ranks"]) == [1, 2]
+    return c
+
+
+@pytest.fixture(scope="module")
+def base_weights(tiny_model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(tiny_model_dir / "model.safetensors"))
+
+
+async def test_collective_refit_reaches_every_engine_mid_generation_exactly(
+    controller, engines, client, tiny_tokenizer, base_weights
+):
+    before = await controller.weights_checksums.remote()
+    assert len(before) == 2 and before[0] == before[1]
+    running = []
+    for k, engine in enumerate(engines):
+        tasks, _ = await start_rollouts(engine, prompts(tiny_tokenizer, f"E{k}", PER_ENGINE), seed0=100 * k,
+                                        max_tokens=96)
+        running += tasks
+
+    report = await asyncio.to_thread(client.refit, "1", perturbed(base_weights, seed=1))
+    assert report["ok"] and report["requests_in_flight"] == 2 * PER_ENGINE and report["requests_aborted"] == 0
+    for _, _, last in await asyncio.gather(*running):
+        assert last.finish_reason == "length"
+        split_at_refit(last.weight_versions, "0", "1", 96)
+
+    after = await controller.weights_checksums.remote()
+    assert after[0] == after[1] != before[0]
+    # The same state dict through the object store gives the same bytes on both engines.
+    again = await asyncio.to_thread(client.refit, "2", perturbed(base_weights, seed=1), transport="object_store")
+    assert again["ok"] and await controller.weights_checksums.remote() == after
+    assert await asyncio.gather(*[e.weight_version.remote() for e in engines]) == ["2", "2"]
+
+
+async def test_aborted_transfer_leaves_every_engine_on_its_old_weights(controller, engines, client, base_weights):
+    from rollout_service.refit.types import RefitFailed
+
+    before = await controller.weights_checksums.remote()
+
+    def fail_after_second_bucket(i):
+        if i == 1:
+            raise RuntimeError("injected: trainer died after bucket 1")
+
+    with pytest.raises(RefitFailed) as err:
+        await asyncio.to_thread(client.refit, "3", perturbed(base_weights, seed=3), on_bucket=fail_after_second_bucket)
+    assert err.value.report["failed_step"] == "transfer" and "trainer aborted the transfer" in err.value.report["error"]
+    assert await controller.weights_checksums.remote() == before
+    assert await asyncio.gather(*[e.weight_version.remote() for e in engines]) == ["2", "2"]
+    assert not any(await asyncio.gather(*[e.is_paused.remote() for e in engines]))
+    # The three-rank group is still in step.
+    assert (await asyncio.to_thread(client.refit, "3", perturbed(base_weights, seed=3)))["ok"]
+    final = await controller.weights_checksums.remote()
+    assert final[0] == final[1] != before[0]
