@@ -105,3 +105,38 @@ async def test_aborted_transfer_leaves_every_engine_on_its_old_weights(controlle
     assert (await asyncio.to_thread(client.refit, "3", perturbed(base_weights, seed=3)))["ok"]
     final = await controller.weights_checksums.remote()
     assert final[0] == final[1] != before[0]
+
+
+async def test_a_trainer_that_stalls_mid_transfer_times_out_and_every_engine_resumes(
+    controller, engines, client, base_weights
+):
+    import time
+
+    from rollout_service.refit.types import RefitFailed, WeightSyncNotInitialized
+
+    client.init_weight_sync(timeout_s=3)  # the group's receive timeout
+    before = await controller.weights_checksums.remote()
+    version = await controller.current_version.remote()
+
+    def stall_after_first_bucket(i):
+        if i == 0:
+            time.sleep(8)  # the workers never get the trailer in time
+
+    t0 = time.monotonic()
+    with pytest.raises(RefitFailed) as err:
+        await asyncio.to_thread(
+            client.refit, "4", perturbed(base_weights, seed=4), on_bucket=stall_after_first_bucket, timeout_s=3
+        )
+    elapsed = time.monotonic() - t0
+    report = err.value.report
+    print(f"stalled refit failed after {elapsed:.1f}s: {report['error']}")
+    assert 8 <= elapsed < 45
+    assert report["failed_step"] == "transfer" and not report["ok"] and report["requests_aborted"] == 0
+    assert await controller.weights_checksums.remote() == before
+    assert await controller.current_version.remote() == version
+    assert not any(await asyncio.gather(*[e.is_paused.remote() for e in engines]))
+    # The group is out of step: both sides forgot it, and say so instead of hanging.
+    with pytest.raises(WeightSyncNotInitialized):
+        client.refit("4", perturbed(base_weights, seed=4))
+    client.init_weight_sync()
+    assert (await asyncio.to_thread(client.refit, "4", perturbed(base_weights, seed=4)))["ok"]

@@ -188,6 +188,7 @@ class TrainerClient:
             try:
                 _get(ref, _overall(timeout))
             except RefitFailed as failed:
+                self._forget_group_if_out_of_step(failed.report)
                 raise failed from exc
             raise
         try:
@@ -195,10 +196,15 @@ class TrainerClient:
             report["trainer_send_s"] = timings.get("send_s")
             return report
         except RefitFailed as failed:
-            report = failed.report or {}
-            if report.get("failed_step") == "transfer" and ABORT_MESSAGE not in (report.get("error") or ""):
-                self._group = None  # a worker's receive failed or timed out: the group is out of step
+            self._forget_group_if_out_of_step(failed.report)
             raise
+
+    def _forget_group_if_out_of_step(self, report: dict[str, Any] | None) -> None:
+        """A worker's receive failed or timed out (not a clean ABORT): the group is out of step and
+        the controller forgot it too; the next collective refit needs ``init_weight_sync()``."""
+        report = report or {}
+        if report.get("failed_step") == "transfer" and ABORT_MESSAGE not in (report.get("error") or ""):
+            self._group = None
 
     # --------------------------------------------------------------------- misc
     def stats(self) -> dict[str, Any]:
