@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
+import ray
 import torch
 
 from engine_helpers import stream_generation
 
 N_ROLLOUTS = 8
+
+
+@contextlib.contextmanager
+def running_controller(tiny_model_dir, **engine_overrides):
+    """A standalone RefitController (not detached) with its engines started, shut down after."""
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.refit.controller import RefitController
+
+    cfg = RolloutServiceConfig.model_validate(
+        {"engine": {"model": str(tiny_model_dir), **engine_overrides}, "refit": {"step_timeout_s": 60}}
+    )
+    actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())
+    ray.get(actor.start.remote(), timeout=600)
+    try:
+        yield actor
+    finally:
+        try:
+            ray.get(actor.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(actor)
 
 
 def perturbed(base: dict, seed: int, scale: float = 0.05) -> dict:

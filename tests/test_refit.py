@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from engine_helpers import hf_sampled_logprobs, load_hf_model, stream_generation
-from refit_helpers import N_ROLLOUTS, perturbed, prompts, split_at_refit, start_rollouts
+from refit_helpers import N_ROLLOUTS, perturbed, prompts, running_controller, split_at_refit, start_rollouts
 
 pytestmark = pytest.mark.engine
 
@@ -24,17 +24,8 @@ pytestmark = pytest.mark.engine
 # --------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def controller(ray_session, tiny_model_dir):
-    from rollout_service.config import RolloutServiceConfig
-    from rollout_service.refit.controller import RefitController
-
-    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(tiny_model_dir)}, "refit": {"step_timeout_s": 60}})
-    actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())
-    ray.get(actor.start.remote(), timeout=300)
-    yield actor
-    try:
-        ray.get(actor.shutdown.remote(), timeout=60)
-    finally:
-        ray.kill(actor)
+    with running_controller(tiny_model_dir) as actor:
+        yield actor
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 import ray
 
-from refit_helpers import perturbed, prompts, split_at_refit, start_rollouts
+from refit_helpers import perturbed, prompts, running_controller, split_at_refit, start_rollouts
 
 pytestmark = pytest.mark.engine
 
@@ -21,20 +21,8 @@ PER_ENGINE = 3
 
 @pytest.fixture(scope="module")
 def controller(ray_session, tiny_model_dir):
-    from rollout_service.config import RolloutServiceConfig
-    from rollout_service.refit.controller import RefitController
-
-    cfg = RolloutServiceConfig.model_validate(
-        {"engine": {"model": str(tiny_model_dir), "num_engines": 2, "num_cpus_per_engine": 0},
-         "refit": {"step_timeout_s": 60}}
-    )
-    actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())
-    ray.get(actor.start.remote(), timeout=600)
-    yield actor
-    try:
-        ray.get(actor.shutdown.remote(), timeout=60)
-    finally:
-        ray.kill(actor)
+    with running_controller(tiny_model_dir, num_engines=2, num_cpus_per_engine=0) as actor:
+        yield actor
 
 
 @pytest.fixture(scope="module")

@@ -6,29 +6,18 @@ from __future__ import annotations
 import copy
 
 import pytest
-import ray
 import torch
 
 from engine_helpers import hf_sampled_logprobs, load_hf_model, stream_generation
+from refit_helpers import running_controller
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def controller(ray_session, tiny_model_dir):
-    from rollout_service.config import RolloutServiceConfig
-    from rollout_service.refit.controller import RefitController
-
-    cfg = RolloutServiceConfig.model_validate(
-        {"engine": {"model": str(tiny_model_dir), "enable_prefix_caching": True}, "refit": {"step_timeout_s": 60}}
-    )
-    actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=100).remote(cfg.model_dump())
-    ray.get(actor.start.remote(), timeout=300)
-    yield actor
-    try:
-        ray.get(actor.shutdown.remote(), timeout=60)
-    finally:
-        ray.kill(actor)
+    with running_controller(tiny_model_dir, enable_prefix_caching=True) as actor:
+        yield actor
 
 
 async def test_no_prefix_cache_hit_crosses_a_refit(controller, tiny_tokenizer, tiny_model_dir):
