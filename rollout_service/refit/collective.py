@@ -274,10 +274,11 @@ def send_buckets(
     bucket is posted without waiting for the previous one (large tensors straight from their
     memory, small ones packed into one of two reused buffers per size, the packing overlapping the
     wire), so the bytes flow as in a raw broadcast. ``on_bucket(i)`` runs once bucket ``i`` is on
-    the wire. ``timings`` (if given) gets ``handshake_s`` (waiting for the workers to join) and
-    ``send_s`` (handshake done -> END sent: the bytes' time on the wire). If it or the packing raises, the broadcast is still completed (unsent buckets as
-    filler) and the trailer says ABORT: every worker drops what it got, no engine keeps a partial
-    state dict, and the exception propagates. The trailer ``END`` is what commits the transfer.
+    the wire. If ``on_bucket`` or the packing raises, the broadcast is still completed (unsent
+    buckets as filler) and the trailer says ABORT: every worker drops what it got, no engine keeps
+    a partial state dict, and the exception propagates. The trailer ``END`` is what commits the
+    transfer. ``timings`` (if given) gets ``handshake_s`` (waiting for the workers to join) and
+    ``send_s`` (handshake done -> END sent: the bytes' time on the wire).
     """
     n = len(plan.buckets)
     works: list = []  # one per posted bucket
