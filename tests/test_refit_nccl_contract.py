@@ -14,7 +14,7 @@ import inspect
 import pytest
 import torch
 
-vllm_wt = pytest.importorskip("vllm.distributed.weight_transfer.nccl_engine")
+import vllm.distributed.weight_transfer.nccl_engine as vllm_wt  # a missing vLLM must fail, not skip
 
 WORKER_METHODS = (
     "init_weight_transfer_engine",
