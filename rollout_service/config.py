@@ -72,6 +72,18 @@ class EngineConfig(_Strict):
         "half the memory on CPU, and worker-extension methods reachable in-process.",
     )
     num_cpus_per_engine: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine actor.")
+    placement_strategy: Literal["STRICT_PACK", "PACK"] = Field(
+        "STRICT_PACK",
+        description="Strategy of each engine's placement group (one per engine; on cuda one {GPU: 1} bundle per "
+        "tensor-parallel worker). STRICT_PACK: an engine never spans nodes. PACK: Ray may split a TP group over "
+        "nodes when no node fits it (slow).",
+    )
+    bundle_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each engine's first placement bundle also requests, e.g. "
+        "{engine_node: 0.01} to pin engines to nodes started with that resource. On cpu a placement group is "
+        "created only when this is set.",
+    )
     reasoning_parser: str | None = Field("qwen3", description="vLLM reasoning parser name (None: no reasoning split).")
     tool_parser: str | None = Field("hermes", description="vLLM tool-call parser name (None: no tool parsing).")
     compact_structured_json: bool = Field(
@@ -96,6 +108,16 @@ class EngineConfig(_Strict):
             return self.served_model_name
         return Path(self.resolved_model()).name or self.resolved_model()
 
+    @field_validator("bundle_resources")
+    @classmethod
+    def _custom_resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, amount in v.items():
+            if key in ("CPU", "GPU"):
+                raise ValueError(f"bundle_resources: {key} comes from num_cpus_per_engine / tensor_parallel_size")
+            if amount <= 0:
+                raise ValueError(f"bundle_resources: {key} must be > 0, got {amount}")
+        return v
+
 
 class StoreConfig(_Strict):
     redis_url: str | None = Field(
@@ -106,6 +128,11 @@ class StoreConfig(_Strict):
 
 
 class ServiceConfig(_Strict):
+    instance_name: str = Field(
+        "rollout-service", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+        description="Names this service's detached Ray actors (namespace rollout-service): `<name>-fleet` (the engine "
+        "fleet) and `<name>-refit` (the refit controller trainers call). Two services in one Ray cluster need two names.",
+    )
     api_key: str | None = Field(None, description="Bearer key the ingress requires (None: open).")
     num_affinity_replicas: int = Field(2, ge=1, description="Rollout-affinity replicas (requests routed by rollout id).")
     history_policy: Literal["fork", "reject"] = Field(
@@ -121,6 +148,38 @@ class ServiceConfig(_Strict):
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class FleetConfig(_Strict):
+    """The engine fleet: how engines are probed, when one is declared dead, how it is replaced."""
+
+    probe_interval_s: float = Field(2.0, gt=0, description="Every engine is probed this often.")
+    probe_timeout_s: float = Field(10.0, gt=0, description="A probe not answered within this counts as failed.")
+    dead_after_failures: int = Field(3, ge=1, description="Consecutive failed probes that declare an engine dead.")
+    unresponsive_after_s: float = Field(
+        30.0, gt=0,
+        description="No successful probe for this long declares an engine hung (dead): it is killed and replaced, "
+        "its in-flight calls fail with 503 and its rollouts continue on other engines. Detection takes at most "
+        "this plus probe_interval_s.",
+    )
+    start_timeout_s: float = Field(900.0, gt=0, description="An engine (re)start that has not loaded by then failed.")
+    backoff_initial_s: float = Field(
+        1.0, ge=0, description="Wait before retrying a replacement that failed; doubles per consecutive failure."
+    )
+    backoff_max_s: float = Field(60.0, ge=0, description="Cap of that backoff.")
+    max_replacements: int = Field(
+        5, ge=0,
+        description="More replacements of one slot than this within replacement_window_s is a crash loop: the slot "
+        "is retired (reported in stats and logs) instead of restarted forever.",
+    )
+    replacement_window_s: float = Field(600.0, gt=0, description="Window of max_replacements.")
+    keep_weights_copy: bool = Field(
+        True,
+        description="After a refit whose weights came from memory (collective, object store), keep one copy in "
+        "the Ray object store (owned by the fleet, taken off the refit's stall) so a replacement can load the "
+        "current version even when no engine is left to stream it from. Off: a replacement streams the weights "
+        "from a live engine (none live and no checkpoint path: it cannot serve until the next refit).",
+    )
+
+
 class RefitConfig(_Strict):
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective backend: gloo on CPU, nccl on GPU.")
     clear_cache: bool = Field(
@@ -128,6 +187,12 @@ class RefitConfig(_Strict):
     )
     bucket_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Broadcast bucket size.")
     step_timeout_s: float = Field(300.0, gt=0, description="Timeout of each refit step (pause, transfer, load, resume).")
+    lease_s: float = Field(
+        600.0, gt=0,
+        description="NCCL path: the trainer holds the engines paused under a lease it renews with every call of the "
+        "round; if it dies and the lease runs out, the round is abandoned: every engine reloads its last committed "
+        "weights and resumes, so a dead trainer never leaves engines paused.",
+    )
 
 
 class RolloutServiceConfig(_Strict):
@@ -135,6 +200,7 @@ class RolloutServiceConfig(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     refit: RefitConfig = Field(default_factory=RefitConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "RolloutServiceConfig":

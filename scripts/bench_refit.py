@@ -82,7 +82,7 @@ def bench_one(size: str, root: Path, repeats: int, bucket_bytes: int, transports
 
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.refit.client import TrainerClient
-    from rollout_service.refit.collective import bucket_size, plan_for_state_dict
+    from rollout_service.engine.collective import bucket_size, plan_for_state_dict
     from rollout_service.refit.controller import RefitController
 
     mdir = model_dir(size, root)

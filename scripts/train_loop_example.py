@@ -1,11 +1,13 @@
 """A toy RL trainer refitting the service's weights while agent rollouts are in flight.
 
 A ``Trainer`` Ray actor holds a :class:`~rollout_service.refit.client.TrainerClient` (so the actor
-is rank 0 of the gloo weight-sync group). Each step it starts ``--rollouts`` agent rollouts,
-changes the model's weights (a random nudge standing in for an optimizer step), refits through the
-controller's Ray handle while those rollouts are mid-generation, waits for them, and prints the
-step's weight version, the refit report and the lag statistics (how many refits behind the
-trainer each rollout's tokens are, from the per-token weight-version spans).
+is rank 0 of the gloo weight-sync group). The actor is async, so it uses the client's awaitable
+methods (``ainit_weight_sync``, ``arefit``, ``astats``): a blocking ``ray.get`` would stall its
+event loop, and the agents running on it, for the whole refit. Each step it starts ``--rollouts``
+agent rollouts, changes the model's weights (a random nudge standing in for an optimizer step),
+refits through the controller's Ray handle while those rollouts are mid-generation, waits for
+them, and prints the step's weight version, the refit report and the lag statistics (how many
+refits behind the trainer each rollout's tokens are, from the per-token weight-version spans).
 
 Agents talk to the service over HTTP (OpenAI chat completions at ``--base-url`` with an
 ``X-Rollout-Id`` header; the answer's message carries ``weight_versions``). With ``--direct``, or
@@ -57,12 +59,14 @@ class Trainer:
         self.model_path = model_path
         self.base_url = base_url
         self.max_tokens = max_tokens
-        # Version labels are opaque strings; the trainer remembers their order to compute lag.
-        self.history = [ray.get(controller.current_version.remote())]
+        self.history: list[str] = []
         self.run = uuid.uuid4().hex[:4]
 
-    def init(self) -> dict:
-        return self.client.init_weight_sync()
+    async def init(self) -> dict:
+        # An async actor: await refs and the client's a* methods, never ray.get (it blocks the loop).
+        # Version labels are opaque strings; the trainer remembers their order to compute lag.
+        self.history = [await self.controller.current_version.remote()]
+        return await self.client.ainit_weight_sync()
 
     # -------------------------------------------------------------- agents
     async def _rollout_http(self, i: int, step: int) -> dict:
@@ -114,13 +118,17 @@ class Trainer:
             for i in range(rollouts)
         ]
         await asyncio.sleep(0.5)  # let every rollout get going
-        # "Optimizer step": nudge the weights; then refit in flight.
-        g = torch.Generator().manual_seed(step)
-        self.weights = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in self.weights.items()}
+        # "Optimizer step" (off the loop, like real compute): nudge the weights; then refit in flight.
+        def optimizer_step(weights: dict) -> dict:
+            g = torch.Generator().manual_seed(step)
+            return {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+
+        self.weights = await asyncio.to_thread(optimizer_step, self.weights)
         version = f"{self.run}-step{step}"
         self.history.append(version)
-        report = await asyncio.to_thread(self.client.refit, version, self.weights)
-        stats = await self.controller.stats.remote()
+        # Awaitable refit: the broadcast runs in a worker thread, the rollouts keep streaming here.
+        report = await self.client.arefit(version, self.weights)
+        stats = await self.client.astats()
         results = await asyncio.gather(*tasks)
         lags = []
         mixed = 0

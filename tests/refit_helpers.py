@@ -15,23 +15,29 @@ N_ROLLOUTS = 8
 
 
 @contextlib.contextmanager
-def running_controller(tiny_model_dir, **engine_overrides):
-    """A standalone RefitController (not detached) with its engines started, shut down after."""
+def running_controller(tiny_model_dir, fleet_overrides: dict | None = None, **engine_overrides):
+    """A standalone engine fleet and RefitController over it (neither detached nor named, so they
+    never meet the session's service), engines started; shut down after."""
     from rollout_service.config import RolloutServiceConfig
+    from rollout_service.fleet.fleet import EngineFleet
     from rollout_service.refit.controller import RefitController
 
     cfg = RolloutServiceConfig.model_validate(
-        {"engine": {"model": str(tiny_model_dir), **engine_overrides}, "refit": {"step_timeout_s": 60}}
+        {"engine": {"model": str(tiny_model_dir), **engine_overrides}, "refit": {"step_timeout_s": 60},
+         "fleet": fleet_overrides or {}}
     )
-    actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())
-    ray.get(actor.start.remote(), timeout=600)
+    fleet = ray.remote(EngineFleet).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())
+    actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump(), fleet)
     try:
+        ray.get(actor.start.remote(), timeout=600)
+        actor.fleet_handle = fleet
         yield actor
     finally:
         try:
-            ray.get(actor.shutdown.remote(), timeout=60)
+            ray.get(fleet.shutdown.remote(), timeout=60)
         finally:
             ray.kill(actor)
+            ray.kill(fleet)
 
 
 def perturbed(base: dict, seed: int, scale: float = 0.05) -> dict:

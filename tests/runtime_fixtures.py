@@ -110,3 +110,29 @@ def http(service):
 
     with httpx.Client(base_url=service.url, timeout=120) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+async def fleet_rig(ray_session, redis_server, tiny_model_dir, tiny_tokenizer):
+    """Two real engines owned by a real (anonymous) fleet, the data plane over it, a controller."""
+    import ray
+
+    from fleet_helpers import FleetRig, start_rig
+    from rollout_service.fleet.client import connect
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.serve.turns import TurnRunner
+    from rollout_service.store.redis_store import RedisRolloutStore
+
+    cfg, fleet, controller = start_rig(tiny_model_dir, redis_server, tiny_tokenizer)
+    store = RedisRolloutStore.from_config(cfg.store)
+    client = await connect(fleet)
+    runner = TurnRunner(cfg, client, store, tiny_tokenizer)
+    trainer = TrainerClient(controller, timeout_s=60)
+    yield FleetRig(fleet, controller, runner, store, trainer, cfg)
+    client.stop_watching()
+    await store.close()
+    try:
+        ray.get(fleet.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(controller)
+        ray.kill(fleet)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from rollout_service.refit.collective import (
+from rollout_service.engine.collective import (
     ABORT_MESSAGE,
     BucketPlan,
     TransferAborted,

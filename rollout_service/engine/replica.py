@@ -105,6 +105,12 @@ class EngineReplica:
             kwargs["hf_overrides"] = {"head_dtype": c.head_dtype}
         if c.device == "cuda":
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+            if c.tensor_parallel_size > 1:
+                # The TP workers go into this actor's placement group (rollout_service.fleet.placement),
+                # one per GPU bundle. vLLM picks "ray" itself only when it sees a current placement
+                # group; otherwise "mp" starts the workers on GPUs 0..TP-1 of the node, the same GPUs
+                # for every engine there.
+                kwargs["distributed_executor_backend"] = "ray"
         if c.served_model_name:
             kwargs["served_model_name"] = c.served_model_name
         kwargs.update(c.extra_engine_args)
@@ -264,11 +270,25 @@ class EngineReplica:
         """Generations that ended with finish_reason ``abort`` since start (a refit must add none)."""
         return self._num_aborted
 
-    async def stage_weights_from_object_store(self, refs: list, timeout: float | None = None) -> dict[str, Any]:
-        """Object-store transport, engine side (the worker is not connected to Ray): see refit.transports."""
-        from rollout_service.refit.transports import stage_object_store_in_engine
+    async def stage_weights_from_object_store(self, refs: list, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Stage the state dict ``refs[0]`` in every worker (object-store transport, fleet
+        replacements); the worker is not connected to Ray: see :mod:`rollout_service.engine.weights`."""
+        from rollout_service.engine.weights import stage_state_dict_ref
 
-        return await stage_object_store_in_engine(self, refs, timeout)
+        return await stage_state_dict_ref(self, refs, timeout)
+
+    async def export_weights(self, timeout: float | None = None) -> tuple[str, dict[str, Any]]:
+        """(version, weights) this engine serves; weights are ``{name: tensor}`` or ``{"path": dir}``.
+
+        The fleet calls it with ``num_returns=2``, so both objects are owned by the fleet and outlive
+        this engine: a replacement loads them to serve the current version."""
+        from rollout_service.engine.weights import export_current_weights
+
+        version = self._version
+        weights = await export_current_weights(self, timeout)
+        if self._version != version:
+            raise EngineUnavailable("weights changed during export")
+        return version, weights
 
     async def health(self) -> dict[str, Any]:
         """Cheap liveness + state summary; raises EngineUnavailable if the engine is gone."""
@@ -284,6 +304,18 @@ class EngineReplica:
             "startup_s": self._startup_s,
             "pid": os.getpid(),
         }
+
+    def process_info(self) -> dict[str, Any]:
+        """Where this engine runs: node, pid and child processes (vLLM's EngineCore), so the fleet
+        can make sure a hung engine's processes are gone (``ray.kill`` alone leaves a SIGSTOPped
+        process, and its EngineCore child, running for a while)."""
+        import psutil
+        import ray
+
+        me = psutil.Process()
+        procs = [me, *me.children(recursive=True)]
+        return {"node_id": ray.get_runtime_context().get_node_id(),
+                "processes": [(p.pid, p.create_time()) for p in procs]}
 
     def tokenizer_path(self) -> str:
         return self.config.resolved_model()
@@ -321,37 +353,37 @@ def create_engine_actor(
     config: EngineConfig,
     index: int = 0,
     *,
+    placement: Any = None,  # a fleet.placement.EnginePlacement (its .actor_options); the engine never imports the fleet
     name: str | None = None,
     namespace: str | None = None,
     initial_weight_version: str = "0",
-    placement_group=None,
     lifetime: str | None = None,
 ):
     """Start an :class:`EngineReplica` Ray actor (call ``start`` on it before generating).
 
-    CPU: ``num_cpus_per_engine`` CPUs. GPU: ``tensor_parallel_size`` GPUs, placed through a
-    placement group bundle per engine when one is given (the TP workers then share its node).
+    With ``placement`` (from :func:`rollout_service.fleet.placement.reserve_engine_placement`) the
+    actor takes that placement's resources and scheduling strategy: bundle 0 of the engine's own
+    placement group, which holds its GPU(s) (TP > 1: the TP workers vLLM starts go into the same
+    group). Without: ``num_cpus_per_engine`` CPUs and, on cuda, ``num_gpus=1`` for TP 1 (0 for
+    TP > 1, whose workers then get a placement group vLLM creates itself), anywhere in the cluster.
     """
     import ray
 
     opts: dict[str, Any] = {
-        "num_cpus": config.num_cpus_per_engine,
         "runtime_env": engine_runtime_env(config),
         "max_concurrency": 10_000,
         "max_restarts": 0,
     }
-    if config.device == "cuda":
-        opts["num_gpus"] = 1 if config.tensor_parallel_size == 1 else 0
+    if placement is not None:
+        opts.update(placement.actor_options)
+    else:
+        opts["num_cpus"] = config.num_cpus_per_engine
+        if config.device == "cuda":
+            opts["num_gpus"] = 1 if config.tensor_parallel_size == 1 else 0
     if name:
         opts["name"] = name
     if namespace:
         opts["namespace"] = namespace
     if lifetime:
         opts["lifetime"] = lifetime
-    if placement_group is not None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=placement_group, placement_group_capture_child_tasks=True
-        )
     return ray.remote(EngineReplica).options(**opts).remote(config, index, initial_weight_version)

@@ -99,7 +99,7 @@ class RolloutWorkerExtension:
         self, host: str, port: int, world_size: int, rank_offset: int, group_name: str, timeout_s: float
     ) -> int:
         """Join the trainer's dedicated gloo group (never the default group). Returns this rank."""
-        from rollout_service.refit.collective import open_group
+        from rollout_service.engine.collective import open_group
 
         self.rs_weight_sync_close()
         rank = rank_offset + int(self.rank)
@@ -144,7 +144,7 @@ class RolloutWorkerExtension:
             self._rs_spare = source.buffers
     def rs_stage_collective(self, plan_json: str) -> dict[str, Any]:
         """Receive every bucket of the broadcast; the model is not touched."""
-        from rollout_service.refit.collective import BucketPlan, receive_buckets
+        from rollout_service.engine.collective import BucketPlan, receive_buckets
 
         self._rs_state()
         group = getattr(self, "_rs_group", None)
@@ -186,6 +186,23 @@ class RolloutWorkerExtension:
         )
         self._rs_staged = _Source(path=path)
         return {"bytes": nbytes, "seconds": 0.0}
+
+    def rs_export_current(self, path: str) -> dict[str, Any] | None:
+        """The committed weights, for a replacement engine: a checkpoint path, or (received tensors)
+        written to the safetensors file ``path``. Only rank 0 answers: every worker of an engine
+        received the same full state dict."""
+        self._rs_state()
+        if int(self.rank) != 0:
+            return None
+        if self._rs_previous is not None:
+            raise RuntimeError("a refit is loading: the current weights are not committed yet")
+        current = self._rs_current
+        if current.path is not None:
+            return {"path": current.path}
+        from safetensors.torch import save_file
+
+        save_file({name: t.contiguous() for name, t in current.tensors}, path)
+        return {"file": path, "bytes": current.nbytes}
 
     def rs_discard_staged(self) -> None:
         self._rs_state()

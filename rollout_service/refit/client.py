@@ -15,16 +15,29 @@ A trainer holds one :class:`TrainerClient` (it is picklable: ship it to a Ray ac
 
 For the collective transport the trainer is the broadcast root: ``refit`` starts the controller's
 call (pause every engine, then receive) and broadcasts the buckets itself, concurrently.
+
+Async trainers (an async Ray actor, where a blocking ``ray.get`` stalls the event loop for the
+whole refit) use the awaitable twins, same arguments, results and exceptions::
+
+    await client.ainit_weight_sync()
+    report = await client.arefit("7", model.state_dict())
+    await client.astats(); await client.aget_rollout(rid); await client.aweights_checksums()
+
+They never call ``ray.get``: they await the controller's object refs, and the blocking gloo work
+(joining the group, the broadcast) and the object-store copy run in a worker thread. The sync and
+async paths share one client state: a refit of either kind refuses to overlap another.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
-from rollout_service.refit.collective import (
+from rollout_service.engine.collective import (
     ABORT_MESSAGE,
     GroupOutOfSync,
     PackBuffers,
@@ -34,9 +47,10 @@ from rollout_service.refit.collective import (
     send_buckets,
 )
 from rollout_service.refit.transports import CheckpointPathTransfer, CollectiveTransfer, ObjectStoreTransfer
-from rollout_service.refit.types import RefitFailed, RefitInProgress, WeightSyncNotInitialized
+from rollout_service.refit.types import MEMBERSHIP_CHANGED, RefitFailed, RefitInProgress, WeightSyncNotInitialized
 
 TRANSPORTS = ("collective", "object_store", "path")
+BACKENDS = ("gloo", "nccl")
 
 
 class TrainerClient:
@@ -53,9 +67,11 @@ class TrainerClient:
         self.timeout_s = timeout_s
         self.clear_cache = clear_cache
         self._group = None
+        self._group_timeout_s = timeout_s  # the gloo group's own timeout (init_weight_sync's)
+        self._group_formed = False  # init_weight_sync succeeded once: re-forming it is the trainer's intent
         self._nccl = None
         self._pack_buffers = PackBuffers()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one refit at a time, sync or async (held across threads)
 
     def __getstate__(self):
         # Picklable: the group and locks are per process; the receiver calls init_weight_sync.
@@ -89,23 +105,48 @@ class TrainerClient:
         """
         import ray
 
-        timeout = timeout_s or self.timeout_s
-        host = host or _node_ip()
-        port = port or free_port(host)
+        backend, host, port, timeout = self._weight_sync_args(backend, host, port, timeout_s)
         if backend == "nccl":
-            return self._init_nccl(host, port, timeout)
-        if backend != "gloo":
-            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+            world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
+            return self._init_nccl(host, port, timeout, world)
         self._group = None
         world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
-        name = f"refit-{uuid.uuid4().hex[:8]}"
-        t0 = time.perf_counter()
+        name, t0 = _group_name(), time.perf_counter()
         ranks_ref = self.controller.init_weight_sync.remote(host, port, name, timeout)
         group = open_group(host, port, world, 0, name, timeout)  # blocks until every worker joined
         ranks = ray.get(ranks_ref, timeout=timeout)
-        self._group = group
-        return {"backend": "gloo", "group": name, "host": host, "port": port, "world_size": world,
-                "worker_ranks": ranks, "seconds": time.perf_counter() - t0}
+        self._group, self._group_timeout_s, self._group_formed = group, timeout, True
+        return _gloo_info(name, host, port, world, ranks, t0)
+
+    async def ainit_weight_sync(
+        self,
+        *,
+        backend: str = "gloo",
+        host: str | None = None,
+        port: int | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`init_weight_sync` for an event loop: the address look-up (a GCS query) and the join
+        run in a worker thread."""
+        backend, host, port, timeout = await asyncio.to_thread(self._weight_sync_args, backend, host, port, timeout_s)
+        if backend == "nccl":  # pragma: no cover - GPU only
+            world = await _aget(self.controller.weight_sync_world_size.remote(), timeout)
+            # vLLM's trainer engine is synchronous: its controller calls block that thread, not the loop.
+            return await asyncio.to_thread(self._init_nccl, host, port, timeout, world)
+        self._group = None
+        world = await _aget(self.controller.weight_sync_world_size.remote(), timeout)
+        name, t0 = _group_name(), time.perf_counter()
+        ranks_ref = self.controller.init_weight_sync.remote(host, port, name, timeout)
+        group = await asyncio.to_thread(open_group, host, port, world, 0, name, timeout)
+        ranks = await _aget(ranks_ref, timeout)
+        self._group, self._group_timeout_s, self._group_formed = group, timeout, True
+        return _gloo_info(name, host, port, world, ranks, t0)
+
+    def _weight_sync_args(self, backend, host, port, timeout_s) -> tuple[str, str, int, float]:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+        host = host or _node_ip()
+        return backend, host, port or free_port(host), timeout_s or self.timeout_s
 
     def close(self) -> None:
         self._group = None
@@ -129,82 +170,185 @@ class TrainerClient:
         ``on_bucket(i)`` runs after bucket ``i`` is on the wire (collective only); if it raises,
         the transfer is aborted on every worker and the refit fails cleanly (failure injection).
         """
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if not self._lock.acquire(blocking=False):
-            raise RefitInProgress("this client is already running a refit")
+        _check_transport(transport)
+        self._acquire()
         try:
-            clear = self.clear_cache if clear_cache is None else clear_cache
-            timeout = timeout_s or self.timeout_s
-            if self._nccl is not None and transport == "collective":
-                return self._refit_nccl(str(version), params)
+            version, clear, timeout = self._refit_args(version, clear_cache, timeout_s)
             if transport == "collective":
-                return self._refit_collective(str(version), params, clear, timeout, on_bucket)
-            import ray
+                if self._nccl is not None:
+                    import ray
 
-            if transport == "object_store":
-                cpu = {name: t.detach().to("cpu").contiguous() for name, t in params.items()}
-                transfer = ObjectStoreTransfer([ray.put(cpu)])
-                del cpu
-            else:
-                if not isinstance(params, str):
-                    raise TypeError("transport='path' takes a checkpoint directory path")
-                transfer = CheckpointPathTransfer(params)
-            ref = self.controller.refit.remote(str(version), transfer, clear_cache=clear, timeout_s=timeout)
-            return _get(ref, _overall(timeout))
+                    previous = ray.get(self.controller.current_version.remote(), timeout=60)
+                    return self._refit_nccl(version, params, previous)
+                try:
+                    if self._group is not None:  # before any byte is sent: is the group still whole?
+                        _get(self.controller.check_weight_sync.remote(), 60)
+                    return self._refit_collective(version, params, clear, timeout, on_bucket)
+                except WeightSyncNotInitialized as exc:
+                    if not self._reform_after(exc):
+                        raise
+                    self.init_weight_sync(timeout_s=self._group_timeout_s)
+                    return self._refit_collective(version, params, clear, timeout, on_bucket)
+            transfer = _staged_transfer(params, transport)
+            return _get(self._start(version, transfer, clear, timeout), _overall(timeout))
         finally:
             self._lock.release()
 
+    async def arefit(
+        self,
+        version: str | int,
+        params: Mapping[str, Any] | str | None = None,
+        *,
+        transport: str = "collective",
+        clear_cache: bool | None = None,
+        timeout_s: float | None = None,
+        on_bucket: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`refit` for an event loop. ``on_bucket`` runs in the sending worker thread.
+
+        Cancelling the await does not stop the refit (the controller runs it to its end, and a
+        started broadcast is completed): the client stays busy (``RefitInProgress``) until it is over.
+        """
+        _check_transport(transport)
+        self._acquire()
+        try:
+            task = asyncio.ensure_future(self._arefit_locked(version, params, transport, clear_cache, timeout_s,
+                                                             on_bucket))
+        except BaseException:
+            self._lock.release()
+            raise
+        task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+    async def _arefit_locked(self, version, params, transport, clear_cache, timeout_s, on_bucket) -> dict[str, Any]:
+        try:
+            version, clear, timeout = self._refit_args(version, clear_cache, timeout_s)
+            if transport == "collective":
+                if self._nccl is not None:  # pragma: no cover - GPU only
+                    previous = await _aget(self.controller.current_version.remote(), 60)
+                    return await asyncio.to_thread(self._refit_nccl, version, params, previous)
+                try:
+                    if self._group is not None:  # before any byte is sent: is the group still whole?
+                        await _aget(self.controller.check_weight_sync.remote(), 60)
+                    return await self._arefit_collective(version, params, clear, timeout, on_bucket)
+                except WeightSyncNotInitialized as exc:
+                    if not self._reform_after(exc):
+                        raise
+                    await self.ainit_weight_sync(timeout_s=self._group_timeout_s)
+                    return await self._arefit_collective(version, params, clear, timeout, on_bucket)
+            transfer = await asyncio.to_thread(_staged_transfer, params, transport)
+            return await _aget(self._start(version, transfer, clear, timeout), _overall(timeout))
+        finally:
+            self._lock.release()
+
+    def _reform_after(self, exc: WeightSyncNotInitialized) -> bool:
+        """An engine was lost or replaced since the group was formed: the group is re-formed over the
+        engines serving now, once, and the refit retried (the trainer had formed a group before)."""
+        return str(exc).startswith(MEMBERSHIP_CHANGED) and self._group_formed
+
+    def _acquire(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise RefitInProgress("this client is already running a refit")
+
+    def _refit_args(self, version, clear_cache, timeout_s) -> tuple[str, bool | None, float]:
+        return str(version), self.clear_cache if clear_cache is None else clear_cache, timeout_s or self.timeout_s
+
+    def _start(self, version: str, transfer, clear, timeout):
+        """The controller's refit call (pause, receive or stage, load, label, resume): its ref."""
+        return self.controller.refit.remote(version, transfer, clear_cache=clear, timeout_s=timeout)
+
+    # ------------------------------------------------------- collective transport
     def _refit_collective(self, version, params, clear, timeout, on_bucket) -> dict[str, Any]:
         import ray
 
+        group, plan = self._collective_plan(params)
+        ref = self._start(version, CollectiveTransfer(plan.to_json(), plan.total_bytes), clear, timeout)
+        poll = _join_poll(lambda: bool(ray.wait([ref], timeout=0)[0]), lambda: _get(ref, 60), timeout)
+        timings, send_error = self._send(group, params, plan, on_bucket, poll)
+        try:
+            outcome = _get(ref, _overall(timeout))
+        except BaseException as exc:
+            outcome = exc
+        return self._collective_result(outcome, timings, send_error)
+
+    async def _arefit_collective(self, version, params, clear, timeout, on_bucket) -> dict[str, Any]:
+        group, plan = self._collective_plan(params)
+        ref = self._start(version, CollectiveTransfer(plan.to_json(), plan.total_bytes), clear, timeout)
+        # The controller's outcome is awaited on the loop and lands in a thread-safe future: the
+        # send's poll (in the worker thread) reads it there, without Ray.
+        outcome: concurrent.futures.Future = concurrent.futures.Future()
+        waiter = asyncio.ensure_future(_settle(outcome, _aget(ref, _overall(timeout))))
+        poll = _join_poll(outcome.done, outcome.result, timeout)
+        try:
+            timings, send_error = await asyncio.to_thread(self._send, group, params, plan, on_bucket, poll)
+        except BaseException:
+            waiter.cancel()  # the workers never joined: as the sync path, do not wait for the controller
+            raise
+        await waiter
+        return self._collective_result(outcome.exception() or outcome.result(), timings, send_error)
+
+    def _collective_plan(self, params):
         if self._group is None:
             raise WeightSyncNotInitialized("call init_weight_sync() first (or again after a failed transfer)")
-        plan = plan_for_state_dict(params, self.bucket_bytes)
-        ref = self.controller.refit.remote(
-            version, CollectiveTransfer(plan.to_json(), plan.total_bytes), clear_cache=clear, timeout_s=timeout
-        )
-        deadline = time.monotonic() + _overall(timeout)
+        return self._group, plan_for_state_dict(params, self.bucket_bytes)
 
-        def poll() -> None:
-            # While waiting for the workers to join: the controller may have refused or failed.
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
-                _get(ref, 60)
-                raise RuntimeError("controller finished a collective refit without receiving any data")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine workers did not join the broadcast within {timeout}s")
+    def _send(self, group, params, plan, on_bucket, poll) -> tuple[dict[str, float], BaseException | None]:
+        """The trainer's broadcast (blocking; the async path runs it in a worker thread).
 
+        Returns ``(timings, None)``, or ``(timings, error)`` if it raised after the workers joined
+        (the trainer's trailer said ABORT; the controller's outcome decides what to raise). If the
+        workers never joined (``poll`` saw the controller refuse or fail, or the join timed out),
+        the first header is still pending on our side: the group is out of step with the workers,
+        so it is forgotten (re-create it before the next collective refit) and the cause raised.
+        """
         timings: dict[str, float] = {}
         try:
-            send_buckets(self._group, params, plan, on_bucket=on_bucket, poll=poll, buffers=self._pack_buffers,
+            send_buckets(group, params, plan, on_bucket=on_bucket, poll=poll, buffers=self._pack_buffers,
                          timings=timings)
         except GroupOutOfSync as exc:
-            # Nobody received the first header: it is still pending on our side, so the group is
-            # out of step with the workers. Re-create it before the next collective refit.
-            self._group = None
+            self._forget_group(group)
             raise exc.__cause__ or exc
         except BaseException as exc:
-            try:
-                _get(ref, _overall(timeout))
-            except RefitFailed as failed:
-                self._forget_group_if_out_of_step(failed.report)
-                raise failed from exc
-            raise
-        try:
-            report = _get(ref, _overall(timeout))
-            report["trainer_send_s"] = timings.get("send_s")
-            return report
-        except RefitFailed as failed:
-            self._forget_group_if_out_of_step(failed.report)
-            raise
+            return timings, exc
+        return timings, None
+
+    def _collective_result(self, outcome, timings: dict[str, float], send_error: BaseException | None):
+        """What a collective refit returns or raises, from the controller's ``outcome`` (its report,
+        or the exception waiting for it raised) and the trainer's own ``send_error``."""
+        if isinstance(outcome, RefitFailed):
+            self._forget_group_if_out_of_step(outcome.report)
+            if send_error is not None:
+                raise outcome from send_error
+            raise outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if send_error is not None:
+            raise send_error
+        outcome["trainer_send_s"] = timings.get("send_s")
+        return outcome
 
     def _forget_group_if_out_of_step(self, report: dict[str, Any] | None) -> None:
         """A worker's receive failed or timed out (not a clean ABORT): the group is out of step and
         the controller forgot it too; the next collective refit needs ``init_weight_sync()``."""
         report = report or {}
         if report.get("failed_step") == "transfer" and ABORT_MESSAGE not in (report.get("error") or ""):
+            self._forget_group()
+
+    def _forget_group(self, group=None) -> None:
+        """Drop an out-of-step group without waiting for it. A broadcast of ours may still be pending
+        in it (the handshake nobody received), and destroying a gloo group joins its threads: the
+        thread that drops the last reference would wait until the workers leave the group or its
+        timeout ends (measured: the whole timeout; on an event loop, a loop stalled that long). A
+        timer thread holds the group until then, so whoever forgets it never waits."""
+        group = self._group if group is None else group
+        if self._group is group:
             self._group = None
+        if group is not None:
+            holder = [group]
+            del group
+            timer = threading.Timer(self._group_timeout_s + 5.0, holder.clear)
+            timer.daemon = True
+            timer.start()
 
     # --------------------------------------------------------------------- misc
     def stats(self) -> dict[str, Any]:
@@ -212,26 +356,40 @@ class TrainerClient:
 
         return ray.get(self.controller.stats.remote(), timeout=60)
 
+    async def astats(self) -> dict[str, Any]:
+        return await _aget(self.controller.stats.remote(), 60)
+
     def get_rollout(self, rollout_id: str) -> dict[str, Any] | None:
-        """The trajectory of one rollout (segments: token_ids, loss_mask, logprobs, weight_versions)."""
+        """The trajectory of one rollout (segments: token_ids, loss_mask, logprobs, weight_versions),
+        the ``GET /v1/rollouts/{id}`` document, None if unknown. Read from the rollout store
+        directly (the service's Redis): a data read, not the control plane's business."""
         import ray
 
-        return ray.get(self.controller.get_rollout.remote(rollout_id), timeout=60)
+        config = ray.get(self.controller.store_config.remote(), timeout=60)
+        return _in_a_loop(read_trajectory(config, rollout_id))
+
+    async def aget_rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        """:meth:`get_rollout`, awaited."""
+        return await read_trajectory(await _aget(self.controller.store_config.remote(), 60), rollout_id)
 
     def weights_checksums(self) -> list[str]:
         import ray
 
         return ray.get(self.controller.weights_checksums.remote(), timeout=self.timeout_s)
 
+    async def aweights_checksums(self) -> list[str]:
+        return await _aget(self.controller.weights_checksums.remote(), self.timeout_s)
+
     # ------------------------------------------------------------- GPU (unverified)
-    def _init_nccl(self, host: str, port: int, timeout: float) -> dict[str, Any]:  # pragma: no cover - GPU only
-        """vLLM's trainer-side NCCL engine, driving every engine through the controller."""
-        import ray
+    def _init_nccl(self, host: str, port: int, timeout: float, world: int) -> dict[str, Any]:  # pragma: no cover
+        """vLLM's trainer-side NCCL engine, driving every engine through the controller (GPU only).
+
+        Blocking: vLLM's engine calls the controller synchronously (``ray.get`` inside
+        ``ControllerWeightSyncClient``); the async path runs this in a worker thread."""
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
         from rollout_service.refit.transports import ControllerWeightSyncClient
 
-        world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
         self._nccl_source = state_dict_weight_source()
         self._nccl_client = ControllerWeightSyncClient(self.controller, timeout_s=timeout)
         self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(
@@ -241,12 +399,9 @@ class TrainerClient:
         )
         return {"backend": "nccl", "host": host, "port": port, "world_size": world}
 
-    def _refit_nccl(self, version: str, params) -> dict[str, Any]:  # pragma: no cover - GPU only
-        import ray
-
+    def _refit_nccl(self, version: str, params, previous: str) -> dict[str, Any]:  # pragma: no cover - GPU only
         from rollout_service.refit.types import RefitReport
 
-        previous = ray.get(self.controller.current_version.remote(), timeout=60)
         t0 = time.perf_counter()
         self._nccl_source.params = params
         self._nccl_client.version = version
@@ -258,6 +413,84 @@ class TrainerClient:
         ).to_dict()
 
 
+# ------------------------------------------------------------------------ shared by sync and async
+async def read_trajectory(store_config: dict, rollout_id: str) -> dict[str, Any] | None:
+    from rollout_service.config import StoreConfig
+    from rollout_service.onpolicy.trajectory import trajectory_export
+    from rollout_service.store.base import validate_rollout_id
+    from rollout_service.store.redis_store import RedisRolloutStore
+
+    validate_rollout_id(rollout_id)
+    store = RedisRolloutStore.from_config(StoreConfig.model_validate(store_config))
+    try:
+        state = await store.load(rollout_id)
+    finally:
+        await store.close()
+    return None if state is None else trajectory_export(state)
+
+
+def _in_a_loop(coro):
+    """Run a coroutine from sync code, also when the caller's thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+
+
+def _staged_transfer(params, transport: str):
+    """The transfer for the object-store or path transport (blocking: copies and ``ray.put``s)."""
+    if transport == "object_store":
+        import ray
+
+        cpu = {name: t.detach().to("cpu").contiguous() for name, t in params.items()}
+        transfer = ObjectStoreTransfer([ray.put(cpu)])
+        del cpu
+        return transfer
+    if not isinstance(params, str):
+        raise TypeError("transport='path' takes a checkpoint directory path")
+    return CheckpointPathTransfer(params)
+
+
+def _join_poll(finished: Callable[[], bool], outcome: Callable[[], Any], step_timeout: float) -> Callable[[], None]:
+    """``send_buckets``'s poll while waiting for the workers to join: the controller may have
+    refused or failed (``finished()``; ``outcome()`` raises its exception), or the join timed out."""
+    deadline = time.monotonic() + _overall(step_timeout)
+
+    def poll() -> None:
+        if finished():
+            outcome()
+            raise RuntimeError("controller finished a collective refit without receiving any data")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine workers did not join the broadcast within {step_timeout}s")
+
+    return poll
+
+
+def _group_name() -> str:
+    return f"refit-{uuid.uuid4().hex[:8]}"
+
+
+def _gloo_info(name: str, host: str, port: int, world: int, ranks, t0: float) -> dict[str, Any]:
+    return {"backend": "gloo", "group": name, "host": host, "port": port, "world_size": world,
+            "worker_ranks": ranks, "seconds": time.perf_counter() - t0}
+
+
+_OUR_ERRORS = (RefitFailed, RefitInProgress, WeightSyncNotInitialized, ValueError, TypeError)
+
+
+def _our_cause(exc: BaseException) -> BaseException | None:
+    """The controller's own exception inside Ray's ``RayTaskError``, if it is one of ours."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, _OUR_ERRORS) else None
+
+
 def _get(ref, timeout: float):
     """ray.get, raising our own exceptions (RefitFailed, RefitInProgress, ...) rather than Ray's wrapper."""
     import ray
@@ -265,10 +498,47 @@ def _get(ref, timeout: float):
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, (RefitFailed, RefitInProgress, WeightSyncNotInitialized, ValueError, TypeError)):
+        cause = _our_cause(exc)
+        if cause is not None:
             raise cause from None
         raise
+
+
+async def _aget(ref, timeout: float | None):
+    """:func:`_get` without ``ray.get``: awaits the ref; a timeout raises Ray's ``GetTimeoutError``."""
+    import ray
+
+    try:
+        return await asyncio.wait_for(_await(ref), timeout)
+    except ray.exceptions.RayTaskError as exc:
+        cause = _our_cause(exc)
+        if cause is not None:
+            raise cause from None
+        raise
+    except TimeoutError:
+        raise ray.exceptions.GetTimeoutError(f"Get timed out: {ref} not ready after {timeout}s") from None
+
+
+async def _await(ref):
+    return await ref
+
+
+async def _settle(future: concurrent.futures.Future, awaitable: Awaitable) -> None:
+    """Await ``awaitable`` and put its result or exception into a thread-safe ``future``."""
+    try:
+        result = await awaitable
+    except BaseException as exc:
+        future.set_exception(exc)
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+    else:
+        future.set_result(result)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Done-callback of a shielded refit: mark its exception retrieved if nobody awaits it any more."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _overall(step_timeout: float) -> float:

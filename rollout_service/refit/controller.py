@@ -1,18 +1,20 @@
-"""The control plane: owns the engine replicas; the Ray-handle API trainers call.
+"""The control plane: the Ray-handle API trainers call; orchestrates refits over the engine fleet.
 
 One named, detached actor per deployment (``rollout-service-refit`` in namespace
-``rollout-service``). It creates the engines, so they live as long as the service does, whether the
-app was started by ``serve run`` on a driver or by ``serve deploy`` on a cluster. The data plane
-(affinity replicas) asks it for the engine handles once and then talks to the engines directly;
-pause / weight load / resume are fanned out from here to every engine.
+``rollout-service``). It owns no engines: the :class:`~rollout_service.fleet.fleet.EngineFleet`
+does (creates, probes, replaces them). Every refit is bracketed on the fleet
+(``begin_refit`` / ``end_refit``): it runs over the engines serving at its start, no engine joins
+meanwhile, and a replacement that comes up later loads the version the refit committed.
 
 A refit (:meth:`RefitController.refit`) is: pause every engine (``keep``: in-flight requests are
 frozen, none aborted; new ones queue) -> stage the new state dict in every worker through a
 transport (model untouched) -> load it in place (``reload_weights``) -> label the version -> commit
--> resume. Any failure or timeout before the commit rolls every engine back to the previous
-weights (reloaded from the kept CPU copy or checkpoint path) and version, resumes them all, and
-raises :class:`~rollout_service.refit.types.RefitFailed` with the report. A second refit while one
-runs raises :class:`~rollout_service.refit.types.RefitInProgress`. See docs/refit.md.
+-> resume. Any failure or timeout before the commit — an engine dying mid-refit included — rolls
+every surviving engine back to the previous weights (reloaded from the kept CPU copy or checkpoint
+path) and version, resumes them all, and raises :class:`~rollout_service.refit.types.RefitFailed`
+with the report; an engine that cannot be restored is handed to the fleet to be replaced, never
+left paused. A second refit while one runs raises
+:class:`~rollout_service.refit.types.RefitInProgress`. See docs/refit.md.
 """
 
 from __future__ import annotations
@@ -23,8 +25,16 @@ import time
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.refit.collective import ABORT_MESSAGE
-from rollout_service.refit.types import RefitFailed, RefitInProgress, RefitReport, WeightSyncNotInitialized
+from rollout_service.fleet.client import is_actor_dead, is_engine_death
+from rollout_service.fleet.fleet import FleetView, Member
+from rollout_service.engine.collective import ABORT_MESSAGE
+from rollout_service.refit.types import (
+    MEMBERSHIP_CHANGED,
+    RefitFailed,
+    RefitInProgress,
+    RefitReport,
+    WeightSyncNotInitialized,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,55 +43,75 @@ CONTROLLER_NAMESPACE = "rollout-service"
 
 
 class RefitController:
-    def __init__(self, config: RolloutServiceConfig | dict):
+    def __init__(self, config: RolloutServiceConfig | dict, fleet=None):
         self.config = config if isinstance(config, RolloutServiceConfig) else RolloutServiceConfig.model_validate(config)
-        self.engines: list[Any] = []
+        self._fleet = fleet
         self.weight_version = "0"
         self._started = False
         self._start_lock = asyncio.Lock()
-        self._startup_s: float | None = None
         self._refit_lock = asyncio.Lock()
         self._version_history: list[str] = [self.weight_version]
         self._weight_sync: dict[str, Any] | None = None
         self._last_report: dict[str, Any] | None = None
         self._num_refits = 0
         self._num_failed_refits = 0
+        self._nccl: dict[str, Any] | None = None  # the NCCL round in progress: members, lease deadline
+
+    @property
+    def fleet(self):
+        if self._fleet is None:
+            from rollout_service.fleet.fleet import get_or_create_fleet
+
+            self._fleet = get_or_create_fleet(self.config)
+        return self._fleet
 
     async def start(self) -> float:
-        """Create and start every engine (idempotent). Returns seconds taken."""
+        """Wait until the fleet has started its engines (idempotent). Returns the fleet's start-up seconds."""
         async with self._start_lock:
-            if self._started:
-                return self._startup_s or 0.0
-            from rollout_service.engine.replica import create_engine_actor
+            startup = await self.fleet.start.remote()
+            if not self._started:
+                self._started = True
+                view = await self.fleet.view.remote()
+                self.weight_version = view.version
+                if view.version not in self._version_history:
+                    self._version_history.append(view.version)
+            return startup
 
-            t0 = time.perf_counter()
-            ec = self.config.engine
-            self.engines = [
-                create_engine_actor(ec, i, initial_weight_version=self.weight_version)
-                for i in range(ec.num_engines)
-            ]
-            await asyncio.gather(*[e.start.remote() for e in self.engines])
-            self._started = True
-            self._startup_s = time.perf_counter() - t0
-            return self._startup_s
+    async def register_with_fleet(self) -> None:
+        """Live and die with the fleet: it kills this actor when the Serve app is deleted."""
+        import ray
+
+        self.fleet.add_dependent.remote(ray.get_runtime_context().current_actor)
+
+    def update_config(self, config: dict) -> None:
+        """A redeploy's config: refit settings apply from the next refit (engines are the fleet's)."""
+        self.config = RolloutServiceConfig.model_validate(config)
+
+    async def _view(self) -> FleetView:
+        await self.start()
+        return await self.fleet.view.remote()
 
     async def get_engines(self) -> list[Any]:
-        await self.start()
-        return list(self.engines)
+        """Handles of the engines serving now (diagnostics and tests; the data plane uses a FleetClient)."""
+        return (await self._view()).handles()
 
     async def engine_health(self) -> list[dict[str, Any]]:
-        async def one(i, e):
-            try:
-                return await asyncio.wait_for(e.health.remote(), timeout=10)
-            except Exception as exc:  # dead or hung engine: report, do not raise
-                return {"index": i, "ready": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        view = await self._view()
 
-        return list(await asyncio.gather(*[one(i, e) for i, e in enumerate(self.engines)]))
+        async def one(m: Member):
+            try:
+                return {"slot": m.slot, **await asyncio.wait_for(m.handle.health.remote(), timeout=10)}
+            except Exception as exc:  # dead or hung engine: report, do not raise
+                return {"slot": m.slot, "index": m.slot, "ready": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+        return list(await asyncio.gather(*[one(m) for m in view.members]))
 
     async def stats(self) -> dict[str, Any]:
-        """Current version and the lag of in-flight rollouts (refits since the version each started on)."""
-        health = await self.engine_health()
-        started_on = await asyncio.gather(*[self._in_flight_versions(e) for e in self.engines])
+        """Current version, the fleet's health, and the lag of in-flight rollouts (refits since the
+        version each started on)."""
+        view = await self._view()
+        health, fleet = await asyncio.gather(self.engine_health(), self.fleet.stats.remote())
+        started_on = await asyncio.gather(*[self._in_flight_versions(m.handle) for m in view.members])
         by_version: dict[str, int] = {}
         lags: list[int] = []
         for h, versions in zip(health, started_on):
@@ -94,9 +124,10 @@ class RefitController:
                     lags.append(lag)
         return {
             "weight_version": self.weight_version,
-            "num_engines": len(self.engines),
+            "num_engines": len(view.members),
             "engines": health,
-            "startup_s": self._startup_s,
+            "fleet": fleet,
+            "startup_s": fleet.get("startup_s"),
             "refitting": self._refit_lock.locked(),
             "num_refits": self._num_refits,
             "num_failed_refits": self._num_failed_refits,
@@ -128,37 +159,30 @@ class RefitController:
     def current_version(self) -> str:
         return self.weight_version
 
-    async def get_rollout(self, rollout_id: str) -> dict[str, Any] | None:
-        """A rollout's trajectory (the same document as ``GET /v1/rollouts/{id}``), None if unknown.
+    def store_config(self) -> dict[str, Any]:
+        """Where rollouts are stored (trainers read trajectories there: ``TrainerClient.get_rollout``)."""
+        import os
 
-        Read straight from the store, so a trainer needs no HTTP access to the service.
-        """
-        from rollout_service.onpolicy.trajectory import trajectory_export
-        from rollout_service.store.base import validate_rollout_id
-        from rollout_service.store.redis_store import RedisRolloutStore
-
-        validate_rollout_id(rollout_id)
-        if getattr(self, "_store", None) is None:
-            if not self.config.store.redis_url:
-                raise RuntimeError("store.redis_url is not configured")
-            self._store = RedisRolloutStore.from_config(self.config.store)
-        state = await self._store.load(rollout_id)
-        return None if state is None else trajectory_export(state)
+        store = self.config.store.model_copy()
+        store.redis_url = os.environ.get("ROLLOUT_SERVICE_REDIS_URL") or store.redis_url
+        if not store.redis_url:
+            raise RuntimeError("store.redis_url is not configured")
+        return store.model_dump()
 
     def is_refitting(self) -> bool:
         return self._refit_lock.locked()
 
     async def weights_checksums(self) -> list[str]:
         """sha256 of the loaded weights of every worker of every engine (diagnostics, tests)."""
-        await self.start()
-        out = await asyncio.gather(*[e.collective_rpc.remote("rs_weights_checksum") for e in self.engines])
+        view = await self._view()
+        out = await asyncio.gather(*[e.collective_rpc.remote("rs_weights_checksum") for e in view.handles()])
         return [c for per_engine in out for c in per_engine]
 
     # ----------------------------------------------------------------- weight sync
-    def weight_sync_world_size(self) -> int:
-        """Trainer (rank 0) + every worker of every engine."""
-        ec = self.config.engine
-        return 1 + ec.num_engines * ec.tensor_parallel_size
+    async def weight_sync_world_size(self) -> int:
+        """Trainer (rank 0) + every worker of every serving engine."""
+        view = await self._view()
+        return 1 + len(view.members) * self.config.engine.tensor_parallel_size
 
     async def init_weight_sync(self, host: str, port: int, group_name: str, timeout_s: float | None = None) -> list[int]:
         """Every engine worker joins the trainer's dedicated gloo group (trainer = rank 0, hosting the
@@ -166,26 +190,45 @@ class RefitController:
         Returns the workers' ranks."""
         if self.config.refit.backend != "gloo":
             raise ValueError("init_weight_sync builds a gloo group; backend nccl uses vLLM's engine (nccl_*)")
-        await self.start()
         if self._refit_lock.locked():
             raise RefitInProgress("cannot re-create the weight-sync group while a refit runs")
+        view = await self._view()
         timeout = timeout_s or self.config.refit.step_timeout_s
         tp = self.config.engine.tensor_parallel_size
-        world = self.weight_sync_world_size()
+        world = 1 + len(view.members) * tp
         self._weight_sync = None
         calls = [
-            e.collective_rpc.remote(
+            m.handle.collective_rpc.remote(
                 "rs_weight_sync_init", args=(host, port, world, 1 + i * tp, group_name, timeout), timeout=timeout
             )
-            for i, e in enumerate(self.engines)
+            for i, m in enumerate(view.members)
         ]
         ranks = await asyncio.wait_for(asyncio.gather(*calls), timeout=timeout)
-        self._weight_sync = {"host": host, "port": port, "group": group_name, "world_size": world, "timeout_s": timeout}
+        self._weight_sync = {"host": host, "port": port, "group": group_name, "world_size": world, "timeout_s": timeout,
+                             "epoch": view.epoch, "members": [list(m.key) for m in view.members]}
         return [r for per_engine in ranks for r in per_engine]
 
     async def close_weight_sync(self) -> None:
         self._weight_sync = None
-        await asyncio.gather(*[e.collective_rpc.remote("rs_weight_sync_close") for e in self.engines])
+        view = await self._view()
+        await asyncio.gather(*[e.collective_rpc.remote("rs_weight_sync_close") for e in view.handles()],
+                             return_exceptions=True)
+
+    async def check_weight_sync(self) -> None:
+        """Raise WeightSyncNotInitialized if the group no longer matches the serving engines (the
+        trainer asks before it sends: a broadcast into a group with a dead rank fails mid-way)."""
+        self._check_weight_sync(await self._view())
+
+    def _check_weight_sync(self, view: FleetView) -> None:
+        """The gloo group has a rank per engine worker: it is only usable by the members it was built with."""
+        if self._weight_sync is None:
+            raise WeightSyncNotInitialized("collective transfer needs init_weight_sync first")
+        if self._weight_sync["members"] != [list(m.key) for m in view.members]:
+            before = self._weight_sync["epoch"]
+            self._weight_sync = None
+            raise WeightSyncNotInitialized(
+                f"{MEMBERSHIP_CHANGED} (fleet epoch {before} -> {view.epoch}: an "
+                "engine was lost or replaced); call init_weight_sync again (TrainerClient does it by itself)")
 
     # ----------------------------------------------------------------------- refit
     async def refit(
@@ -211,15 +254,28 @@ class RefitController:
             version = str(version)
             if version in self._version_history:
                 raise ValueError(f"weight version {version!r} was already used; versions label distinct weights")
-            if getattr(transfer, "kind", None) == "collective" and self._weight_sync is None:
-                raise WeightSyncNotInitialized("collective transfer needs init_weight_sync first")
-            report = await self._refit_locked(
-                version,
-                transfer,
-                self.config.refit.clear_cache if clear_cache is None else bool(clear_cache),
-                timeout_s or self.config.refit.step_timeout_s,
-                fail_load_after_tensors,
-            )
+            timeout = timeout_s or self.config.refit.step_timeout_s
+            kind = getattr(transfer, "kind", None)
+            view = await self.fleet.begin_refit.remote(lease_s=_overall(timeout))
+            committed = None
+            try:
+                if kind == "collective":
+                    self._check_weight_sync(view)
+                if not view.members:
+                    raise RefitFailed(f"refit to version {version} failed: no engine is serving (the fleet is "
+                                      "replacing them); nothing changed", None)
+                report = await self._refit_locked(
+                    version,
+                    transfer,
+                    self.config.refit.clear_cache if clear_cache is None else bool(clear_cache),
+                    timeout,
+                    fail_load_after_tensors,
+                    view,
+                )
+                if report.ok:
+                    committed = version
+            finally:
+                await self.fleet.end_refit.remote(committed, getattr(transfer, "path", None) if kind == "path" else None)
             self._last_report = report.to_dict()
             if not report.ok:
                 self._num_failed_refits += 1
@@ -235,11 +291,13 @@ class RefitController:
             self._num_refits += 1
             return self._last_report
 
-    async def _refit_locked(self, version, transfer, clear_cache, timeout, fail_load_after_tensors) -> RefitReport:
-        engines = list(self.engines)
+    async def _refit_locked(self, version, transfer, clear_cache, timeout, fail_load_after_tensors,
+                            view: FleetView) -> RefitReport:
+        engines = view.handles()
         previous = self.weight_version
         report = RefitReport(
-            version=version, previous_version=previous, transport=getattr(transfer, "kind", "?"), clear_cache=clear_cache
+            version=version, previous_version=previous, transport=getattr(transfer, "kind", "?"), clear_cache=clear_cache,
+            engines=[m.slot for m in view.members],
         )
         aborted_before = await self._sum(engines, "num_aborted", timeout)
         step = "pause"
@@ -292,20 +350,27 @@ class RefitController:
             report.failed_step = step
             report.error = _short_error(exc)
             logger.warning("refit to %s failed at %s: %s", version, step, report.error)
-            report.rolled_back = await self._recover(engines, previous, load_attempted, labelled, timeout, report)
+            report.rolled_back = await self._recover(view, previous, load_attempted, labelled, timeout, report)
         finally:
             await self._resume(paused, timeout, report)
             report.resume_s += label_s
             report.total_s = time.perf_counter() - t_start
         report.requests_aborted = max(0, await self._sum(engines, "num_aborted", timeout) - aborted_before)
+        if report.engines_lost:
+            lost = ", ".join(map(str, report.engines_lost))
+            report.error = f"engine slot(s) {lost} died during the refit (the fleet replaces them); {report.error}"
         return report
 
-    async def _recover(self, engines, previous, load_attempted, labelled, timeout, report) -> bool:
-        """Back to the previous weights and label on every engine; an engine that cannot be restored
-        stays paused (a half-loaded model must not serve) and is named in the report."""
+    async def _recover(self, view: FleetView, previous, load_attempted, labelled, timeout, report) -> bool:
+        """Back to the previous weights and label on every surviving engine. An engine that died
+        needs nothing (its replacement loads the fleet's current version); one that is alive but
+        cannot be restored must not serve a half-loaded model: it is handed to the fleet to be
+        killed and replaced (its in-flight calls fail over), never left paused."""
         broken: list[str] = []
+        unrestorable: list[Member] = []
 
-        async def one(i, e):
+        async def one(m: Member):
+            e = m.handle
             try:
                 if load_attempted:
                     await asyncio.wait_for(e.collective_rpc.remote("rs_rollback", timeout=timeout), timeout)
@@ -314,14 +379,20 @@ class RefitController:
                 if labelled:
                     await asyncio.wait_for(e.set_weight_version.remote(previous), timeout)
             except Exception as exc:
-                broken.append(f"engine {i}: {_short_error(exc)}")
-                return e
-            return None
+                if is_engine_death(exc):
+                    report.engines_lost.append(m.slot)
+                    await self.fleet.report_failure.remote(m.slot, m.generation, f"{type(exc).__name__}: during a refit",
+                                                           is_actor_dead(exc))
+                    return
+                broken.append(f"engine slot {m.slot}: {_short_error(exc)}")
+                unrestorable.append(m)
 
-        unrestorable = [e for e in await asyncio.gather(*[one(i, e) for i, e in enumerate(engines)]) if e is not None]
+        await asyncio.gather(*[one(m) for m in view.members])
+        for m in unrestorable:
+            await self.fleet.mark_dead.remote(m.slot, m.generation, f"rollback failed after a failed refit: {report.error}")
+        self._unrestorable = [m.handle for m in unrestorable]
         if broken:
-            report.error = f"{report.error}; ROLLBACK FAILED, left paused: {'; '.join(broken)}"
-            self._unrestorable = unrestorable
+            report.error = f"{report.error}; rollback failed, replaced by the fleet: {'; '.join(broken)}"
         return load_attempted and not broken
 
     async def _resume(self, paused, timeout, report) -> None:
@@ -332,7 +403,7 @@ class RefitController:
             *[asyncio.wait_for(e.resume.remote(), timeout) for e in paused if id(e) not in keep_paused],
             return_exceptions=True,
         )
-        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException) and not is_engine_death(r)]
         if errors:
             report.ok = False
             report.failed_step = report.failed_step or "resume"
@@ -341,73 +412,125 @@ class RefitController:
 
     @staticmethod
     async def _sum(engines, method: str, timeout: float) -> int:
-        values = await asyncio.wait_for(asyncio.gather(*[getattr(e, method).remote() for e in engines]), timeout)
-        return int(sum(values))
+        """Sum over the engines that answer (a dead one counts 0: the refit notices it elsewhere)."""
+        values = await asyncio.wait_for(
+            asyncio.gather(*[getattr(e, method).remote() for e in engines], return_exceptions=True), timeout)
+        return int(sum(v for v in values if isinstance(v, int)))
 
     # ------------------------------------------------ GPU: vLLM's NCCL weight transfer
     # Unverified here (no GPU): the VLLMWeightSyncClient calls of vLLM's trainer-side
     # NCCLTrainerWeightTransferEngine, fanned out to every engine (transports.ControllerWeightSyncClient).
+    # The trainer drives the round (start -> update* -> finish) from its own process, so the round
+    # runs under a lease the trainer renews with every call: if the trainer dies mid-round, the lease
+    # runs out and the round is abandoned (weights reloaded, engines resumed, fleet bracket ended).
     async def nccl_init_weight_transfer_engine(self, init_info: dict) -> None:
-        await self.start()
-        await asyncio.gather(
-            *[e.collective_rpc.remote("init_weight_transfer_engine", kwargs={"init_info": init_info}) for e in self.engines]
-        )
+        view = await self._view()
+        self._nccl_members = [list(m.key) for m in view.members]
+        await self._nccl_fan_out(view.handles(), "init_weight_transfer_engine", {"init_info": init_info})
 
     async def nccl_shutdown_weight_transfer_engine(self) -> None:
-        await asyncio.gather(*[e.collective_rpc.remote("shutdown_weight_transfer_engine") for e in self.engines])
+        view = await self._view()
+        await asyncio.gather(*[e.collective_rpc.remote("shutdown_weight_transfer_engine") for e in view.handles()],
+                             return_exceptions=True)
+
+    async def _nccl_fan_out(self, engines, method: str, kwargs: dict | None = None) -> None:
+        timeout = self.config.refit.step_timeout_s
+        await asyncio.wait_for(
+            asyncio.gather(*[e.collective_rpc.remote(method, kwargs=kwargs, timeout=timeout) for e in engines]), timeout)
 
     async def nccl_start_weight_update(self) -> None:
         if self._refit_lock.locked():
             raise RefitInProgress("a refit is already running")
         await self._refit_lock.acquire()
+        timeout = self.config.refit.step_timeout_s
         try:
-            await asyncio.gather(*[e.pause.remote(mode="keep", clear_cache=self.config.refit.clear_cache) for e in self.engines])
-            await asyncio.gather(*[e.collective_rpc.remote("start_weight_update") for e in self.engines])
+            view = await self.fleet.begin_refit.remote(lease_s=self.config.refit.lease_s + timeout)
         except BaseException:
-            await self._nccl_release()
+            self._refit_lock.release()
+            raise
+        self._nccl = {"view": view, "deadline": time.monotonic() + self.config.refit.lease_s}
+        self._nccl["watchdog"] = asyncio.get_running_loop().create_task(self._nccl_watchdog())
+        try:
+            if [list(m.key) for m in view.members] != getattr(self, "_nccl_members", None):
+                raise WeightSyncNotInitialized("the serving engines changed since init_weight_transfer_engine: "
+                                               "initialize the NCCL weight transfer again")
+            engines = view.handles()
+            await asyncio.wait_for(asyncio.gather(
+                *[e.pause.remote(mode="keep", clear_cache=self.config.refit.clear_cache) for e in engines]), timeout)
+            await self._nccl_fan_out(engines, "start_weight_update")
+        except BaseException:
+            await self._nccl_release(reload=False)
             raise
 
+    def _nccl_renew(self) -> list[Any]:
+        if self._nccl is None:
+            raise RefitFailed("no NCCL weight update in progress (its lease ran out, or start_weight_update "
+                              "was not called)", None)
+        self._nccl["deadline"] = time.monotonic() + self.config.refit.lease_s
+        return self._nccl["view"].handles()
+
     async def nccl_update_weights(self, update_info: dict) -> None:
+        engines = self._nccl_renew()
         try:
-            await asyncio.gather(
-                *[e.collective_rpc.remote("update_weights", kwargs={"update_info": update_info}) for e in self.engines]
-            )
+            await self._nccl_fan_out(engines, "update_weights", {"update_info": update_info})
         except BaseException:
             # vLLM loaded part of the weights in place: reload the last good checkpoint, resume.
-            await asyncio.gather(
-                *[e.collective_rpc.remote("rs_reload_current") for e in self.engines], return_exceptions=True
-            )
-            await self._nccl_release()
+            await self._nccl_release(reload=True)
             raise
 
     async def nccl_finish_weight_update(self, version: str | None) -> None:
+        engines = self._nccl_renew()
+        committed = None
         try:
-            await asyncio.gather(*[e.collective_rpc.remote("finish_weight_update") for e in self.engines])
+            await self._nccl_fan_out(engines, "finish_weight_update")
             if version is not None:
-                await asyncio.gather(*[e.set_weight_version.remote(str(version)) for e in self.engines])
+                await asyncio.wait_for(asyncio.gather(*[e.set_weight_version.remote(str(version)) for e in engines]),
+                                       self.config.refit.step_timeout_s)
                 self.weight_version = str(version)
                 self._version_history.append(str(version))
-        finally:
-            await self._nccl_release()
+                committed = str(version)
+        except BaseException:
+            await self._nccl_release(reload=True)
+            raise
+        await self._nccl_release(reload=False, committed=committed)
 
-    async def _nccl_release(self) -> None:
+    async def _nccl_watchdog(self) -> None:
+        while self._nccl is not None:
+            await asyncio.sleep(min(1.0, self.config.refit.lease_s / 4))
+            if self._nccl is not None and time.monotonic() > self._nccl["deadline"]:
+                logger.warning("NCCL weight update abandoned: the trainer did not renew its lease within %.0fs",
+                               self.config.refit.lease_s)
+                self._num_failed_refits += 1
+                await self._nccl_release(reload=True, from_watchdog=True)
+
+    async def _nccl_release(self, *, reload: bool, committed: str | None = None, from_watchdog: bool = False) -> None:
+        """End the round: optionally reload the last committed weights, resume, end the fleet bracket."""
+        round_, self._nccl = self._nccl, None
+        if round_ is None:
+            return
+        engines = round_["view"].handles()
+        if not from_watchdog and round_.get("watchdog") is not None:
+            round_["watchdog"].cancel()
         try:
-            await asyncio.gather(*[e.resume.remote() for e in self.engines], return_exceptions=True)
+            if reload:
+                await asyncio.gather(*[e.collective_rpc.remote("rs_reload_current") for e in engines],
+                                     return_exceptions=True)
+            await asyncio.gather(*[e.resume.remote() for e in engines], return_exceptions=True)
         finally:
-            if self._refit_lock.locked():
-                self._refit_lock.release()
+            try:
+                await self.fleet.end_refit.remote(committed, None)
+            finally:
+                if self._refit_lock.locked():
+                    self._refit_lock.release()
 
     async def shutdown(self) -> None:
-        import ray
+        """Nothing to stop: the engines belong to the fleet (``EngineFleet.shutdown``)."""
+        self._weight_sync = None
 
-        for e in self.engines:
-            try:
-                await asyncio.wait_for(e.shutdown.remote(), timeout=20)
-            except Exception:
-                pass
-            ray.kill(e)
-        self.engines = []
-        self._started = False
+
+def _overall(step_timeout: float) -> float:
+    """A refit is four steps, each under its own timeout, plus a rollback in the worst case."""
+    return 6 * step_timeout + 30
 
 
 def _short_error(exc: BaseException) -> str:
@@ -419,14 +542,28 @@ def _short_error(exc: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:500]
 
 
-def get_or_create_controller(config: RolloutServiceConfig, *, name: str = CONTROLLER_NAME):
-    """The deployment's controller actor, created on first call (detached: it outlives callers)."""
+def controller_name(instance_name: str) -> str:
+    return f"{instance_name}-refit"
+
+
+def get_or_create_controller(config: RolloutServiceConfig | None = None, *, name: str = CONTROLLER_NAME):
+    """The deployment's controller actor (``<service.instance_name>-refit``), created on first call
+    (detached: it outlives callers).
+
+    Without ``config`` (a trainer attaching to a service deployed by ``serve deploy``), the config
+    is the running fleet's (the fleet of the same instance as ``name``). The controller is killed
+    with the fleet (when the app is deleted)."""
     import ray
 
-    return (
+    from rollout_service.fleet.fleet import fleet_name, get_fleet
+
+    if config is None:
+        instance = name[: -len("-refit")] if name.endswith("-refit") else name
+        config = RolloutServiceConfig.model_validate(ray.get(get_fleet(fleet_name(instance)).service_config.remote(), timeout=60))
+    actor = (
         ray.remote(RefitController)
         .options(
-            name=name,
+            name=controller_name(config.service.instance_name),
             namespace=CONTROLLER_NAMESPACE,
             lifetime="detached",
             get_if_exists=True,
@@ -435,10 +572,16 @@ def get_or_create_controller(config: RolloutServiceConfig, *, name: str = CONTRO
         )
         .remote(config.model_dump())
     )
+    actor.update_config.remote(config.model_dump())
+    actor.register_with_fleet.remote()
+    return actor
 
 
 def get_controller(name: str = CONTROLLER_NAME):
-    """For trainers: the running service's controller (``ray.get_actor``)."""
+    """For trainers: the running service's controller, created if the service has none yet."""
     import ray
 
-    return ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
+    try:
+        return ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        return get_or_create_controller(name=name)

@@ -19,15 +19,11 @@ a small picklable object the trainer-side client builds and the controller runs 
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
-import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 # Dedicated to our worker-extension methods (rollout_service.engine.worker_extension).
 STAGE_COLLECTIVE = "rs_stage_collective"
-STAGE_FILE = "rs_stage_safetensors_file"
 STAGE_PATH = "rs_stage_path"
 
 
@@ -113,32 +109,3 @@ class ControllerWeightSyncClient:
 
 
 Transfer = CollectiveTransfer | ObjectStoreTransfer | CheckpointPathTransfer
-
-
-# ----------------------------------------------------------------------------- engine-actor side
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def _write_safetensors(state_dict, path: str) -> int:
-    from safetensors.torch import save_file
-
-    items = state_dict.items() if hasattr(state_dict, "items") else state_dict
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in items}
-    save_file(tensors, path)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-async def stage_object_store_in_engine(replica, refs: list, timeout_s: float | None) -> dict[str, Any]:
-    """Runs in the engine actor: resolve the ref, hand the tensors to the worker through a shm file."""
-    if not refs:
-        raise ValueError("object-store transfer needs one object ref")
-    state_dict = await refs[0]
-    path = os.path.join(_shm_dir(), f"rs-refit-{os.getpid()}-{uuid.uuid4().hex}.safetensors")
-    try:
-        await asyncio.to_thread(_write_safetensors, state_dict, path)
-        del state_dict
-        return await replica.collective_rpc(STAGE_FILE, args=(path, True), timeout=timeout_s)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)

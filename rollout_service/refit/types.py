@@ -30,6 +30,8 @@ class RefitReport:
     failed_step: str | None = None
     rolled_back: bool = False
     worker_timings: list[dict[str, Any]] = field(default_factory=list)
+    engines: list[int] = field(default_factory=list)  # fleet slots of the engines the refit ran over
+    engines_lost: list[int] = field(default_factory=list)  # of which: died during the refit
 
     @property
     def transfer_gbps(self) -> float:
@@ -58,4 +60,8 @@ class RefitFailed(RuntimeError):
 
 
 class WeightSyncNotInitialized(RuntimeError):
-    """The collective transport needs ``init_weight_sync`` first (or again, after a broken group)."""
+    """The collective transport needs ``init_weight_sync`` first (or again, after a broken group, or
+    after the fleet's serving engines changed: messages starting with :data:`MEMBERSHIP_CHANGED`)."""
+
+
+MEMBERSHIP_CHANGED = "the serving engines changed since init_weight_sync"

@@ -2,8 +2,10 @@
 
 Two deployments: ``Ingress`` (FastAPI, HTTP) and ``RolloutAffinity`` (a fixed pool; every request
 of a rollout is routed to the same replica by consistent hashing on its rollout id). The engines
-are owned by the detached control-plane actor (``RefitController``), which the affinity replicas
+are owned by the detached engine fleet (:mod:`rollout_service.fleet`), which the affinity replicas
 look up (or create) on start, so the app works the same under ``serve run`` and ``serve deploy``.
+Each affinity replica holds a :class:`~rollout_service.fleet.client.FleetClient` (the serving
+engines, followed by long poll); the data plane never imports the control plane (``refit/``).
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ class RolloutAffinity:
         self._runner = None
         self._init_lock = asyncio.Lock()
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            context = serve.get_replica_context()
+            self.replica_id, self.app_name = context.replica_id.unique_id, context.app_name
         except Exception:
-            self.replica_id = uuid.uuid4().hex[:8]
+            self.replica_id, self.app_name = uuid.uuid4().hex[:8], None
         try:  # warm up now (tokenizer, engine handles, store), not on the first request
             self._warmup = asyncio.get_running_loop().create_task(self._ready())
         except RuntimeError:
@@ -83,17 +86,23 @@ class RolloutAffinity:
             if self._runner is None:
                 from transformers import AutoTokenizer
 
-                from rollout_service.refit.controller import get_or_create_controller
+                from rollout_service.fleet.client import connect
+                from rollout_service.fleet.fleet import get_or_create_fleet
                 from rollout_service.serve.turns import TurnRunner
                 from rollout_service.store.redis_store import RedisRolloutStore
 
                 if not self.config.store.redis_url:
                     raise ServiceError(503, "store.redis_url is not configured", type="service_unavailable")
-                controller = get_or_create_controller(self.config)
-                engines = await controller.get_engines.remote()
+                fleet = get_or_create_fleet(self.config)
+                changed = await fleet.ensure_config.remote(self.config.model_dump())
+                if changed:
+                    logger.warning("engine config changed (%s): the fleet restarted its engines", ", ".join(changed))
+                if self.app_name:
+                    await fleet.attach_app.remote(self.app_name)
+                await fleet.start.remote()
                 tokenizer = AutoTokenizer.from_pretrained(self.config.engine.resolved_model())
                 store = RedisRolloutStore.from_config(self.config.store)
-                self._runner = TurnRunner(self.config, engines, store, tokenizer)
+                self._runner = TurnRunner(self.config, await connect(fleet), store, tokenizer)
         return self._runner
 
     async def call(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -121,8 +130,9 @@ class RolloutAffinity:
     async def health(self) -> dict[str, Any]:
         runner = await self._ready()
         store_ok = await runner.store.ping()
-        engines = [i for i in range(len(runner.pool.engines)) if i not in runner.pool.dead]
-        return {"replica": self.replica_id, "store": store_ok, "engines_alive": len(engines)}
+        view = runner.fleet.view
+        return {"replica": self.replica_id, "store": store_ok, "engines_alive": len(runner.fleet.members()),
+                "fleet_epoch": view.epoch if view else None, "weight_version": view.version if view else None}
 
 
 def _token_strs(tokenizer, event: dict[str, Any]) -> dict[int, str]:

@@ -14,12 +14,12 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from typing import Any, AsyncIterator
 
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.engine.replica import GenerateRequest
 from rollout_service.engine.sampling import SamplingOptions, SamplingParamsError
+from rollout_service.fleet.client import FleetClient, NoEngineAvailable, is_engine_death
 from rollout_service.onpolicy import (
     ChatTemplate,
     HistoryConflict,
@@ -37,44 +37,10 @@ from rollout_service.store.base import InvalidRolloutId, StoreUnavailable, TurnC
 logger = logging.getLogger(__name__)
 
 
-class EnginePool:
-    """The engine handles this replica routes to: pin each rollout to one, fail over when one dies."""
-
-    def __init__(self, engines: list[Any], max_pins: int = 100_000):
-        self.engines = list(engines)
-        self.dead: set[int] = set()
-        self.load = [0] * len(self.engines)
-        self.pins: OrderedDict[str, int] = OrderedDict()
-        self.max_pins = max_pins
-
-    def pick(self, rollout_id: str | None) -> int:
-        if rollout_id is not None and rollout_id in self.pins and self.pins[rollout_id] not in self.dead:
-            self.pins.move_to_end(rollout_id)
-            return self.pins[rollout_id]
-        alive = [i for i in range(len(self.engines)) if i not in self.dead]
-        if not alive:
-            raise ServiceError(503, "no engine replica is available", type="service_unavailable", code="no_engine")
-        index = min(alive, key=lambda i: (self.load[i], i))  # least loaded at the rollout's first turn
-        if rollout_id is not None:
-            self.pins[rollout_id] = index
-            if len(self.pins) > self.max_pins:
-                self.pins.popitem(last=False)
-        return index
-
-    def mark_dead(self, index: int) -> None:
-        self.dead.add(index)
-
-
-def _is_actor_death(exc: BaseException) -> bool:
-    import ray.exceptions as rex
-
-    return isinstance(exc, (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError))
-
-
 class TurnRunner:
-    def __init__(self, config: RolloutServiceConfig, engines: list[Any], store, tokenizer):
+    def __init__(self, config: RolloutServiceConfig, fleet: FleetClient, store, tokenizer):
         self.config = config
-        self.pool = EnginePool(engines)
+        self.fleet = fleet
         self.store = store
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer)
@@ -208,7 +174,7 @@ class TurnRunner:
             yield exc.to_result()
         except Exception as exc:  # a bug or an infrastructure failure: 500/503, never silent
             logger.exception("call failed")
-            status = 503 if _is_actor_death(exc) else 500
+            status = 503 if is_engine_death(exc) else 500
             yield ServiceError(status, f"{type(exc).__name__}: {exc}", type="server_error").to_result()
         finally:
             if claimed:
@@ -332,38 +298,48 @@ class TurnRunner:
         return {"content": out.content, "reasoning_content": out.reasoning_content, "tool_calls": out.tool_calls}
 
     async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True):
-        """Generate on the pinned engine; if it died before producing a token, fail over once.
+        """Generate on the rollout's pinned engine (pinned at its first turn to the least loaded one).
 
-        Streaming calls get the engine's chunks as they come; a non-streaming call is one actor
-        round trip (``generate_all``), not one Ray object per token.
+        An engine that dies (killed, crashed, or declared hung and killed by the fleet) before this
+        call has passed on any token is not the client's problem: the call is retried on another
+        engine from the same prompt ids (a non-streaming call passes nothing on until it is done).
+        Once tokens were streamed, the call fails with 503 and nothing is stored; the rollout's next
+        call continues from its stored tokens on a live engine. Streaming calls get the engine's
+        chunks as they come; a non-streaming call is one actor round trip (``generate_all``).
         """
-        for attempt in range(2):
-            index = self.pool.pick(rollout_id)
-            engine = self.pool.engines[index]
+        attempts = 1 + max(1, len(self.fleet.members()) - 1)
+        for attempt in range(attempts):
+            try:
+                member = self.fleet.pick(rollout_id)
+            except NoEngineAvailable as exc:
+                raise ServiceError(503, str(exc), type="service_unavailable", code="no_engine") from None
             request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens)
             produced = False
-            self.pool.load[index] += 1
+            self.fleet.acquire(member)
             try:
                 if not stream:
-                    chunk = await engine.generate_all.remote(request)
+                    chunk = await member.handle.generate_all.remote(request)
                     produced = True
                     yield chunk
                     return
-                async for ref in engine.generate.options(num_returns="streaming").remote(request):
+                async for ref in member.handle.generate.options(num_returns="streaming").remote(request):
                     chunk = await ref
                     produced = True
                     yield chunk
                 return
             except Exception as exc:
-                if _is_actor_death(exc) and not produced and attempt == 0:
-                    logger.warning("engine %d died; failing over rollout %s", index, rollout_id)
-                    self.pool.mark_dead(index)
-                    if rollout_id is not None:
-                        self.pool.pins.pop(rollout_id, None)
+                if not is_engine_death(exc):
+                    raise
+                self.fleet.report_lost(member, exc)
+                if not produced and attempt + 1 < attempts:
+                    logger.warning("engine slot %d died; retrying the call of rollout %s on another engine",
+                                   member.slot, rollout_id)
                     continue
-                raise
+                raise ServiceError(503, f"engine replica {member.slot} died during the call; nothing was stored, "
+                                   "retry the call (the rollout continues on a live engine)",
+                                   type="service_unavailable", code="engine_lost") from None
             finally:
-                self.pool.load[index] -= 1
+                self.fleet.release(member)
 
 
 class _TextStreamer:

@@ -1,0 +1,71 @@
+"""Moving whole state dicts in and out of an engine actor (engine side; no refit logic).
+
+The EngineCore process that hosts vLLM's worker is not connected to Ray, and tensors cannot travel
+as ``collective_rpc`` arguments (FIELD-NOTES), so the engine *actor* is the bridge: it resolves an
+object ref and hands the tensors to the worker through one safetensors file in ``/dev/shm`` (same
+node, page cache), or reads back the worker's current weights the same way. Used by the refit's
+object-store transport and by the fleet, which brings a replacement engine to the current weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import uuid
+from typing import Any
+
+STAGE_FILE = "rs_stage_safetensors_file"
+EXPORT_CURRENT = "rs_export_current"
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _shm_path(tag: str) -> str:
+    return os.path.join(shm_dir(), f"rs-{tag}-{os.getpid()}-{uuid.uuid4().hex}.safetensors")
+
+
+def write_safetensors(state_dict, path: str) -> int:
+    from safetensors.torch import save_file
+
+    items = state_dict.items() if hasattr(state_dict, "items") else state_dict
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in items}
+    save_file(tensors, path)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+async def stage_state_dict_ref(replica, refs: list, timeout_s: float | None) -> list[dict[str, Any]]:
+    """Runs in the engine actor: resolve ``refs[0]`` (a ``{name: tensor}`` dict, or ``{"path": dir}``)
+    and stage it in every worker (nothing is loaded yet). Returns the workers' stage results."""
+    if not refs:
+        raise ValueError("need one object ref of a state dict")
+    state_dict = await refs[0]
+    if isinstance(state_dict, dict) and set(state_dict) == {"path"}:
+        return await replica.collective_rpc("rs_stage_path", args=(state_dict["path"],), timeout=timeout_s)
+    path = _shm_path("stage")
+    try:
+        await asyncio.to_thread(write_safetensors, state_dict, path)
+        del state_dict
+        return await replica.collective_rpc(STAGE_FILE, args=(path, True), timeout=timeout_s)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+async def export_current_weights(replica, timeout_s: float | None) -> dict[str, Any]:
+    """Runs in the engine actor: the weights its workers currently serve, as a checkpoint-format
+    ``{name: tensor}`` dict (received tensors) or ``{"path": dir}`` (a checkpoint directory)."""
+    from safetensors.torch import load_file
+
+    path = _shm_path("export")
+    try:
+        results = await replica.collective_rpc(EXPORT_CURRENT, args=(path,), timeout=timeout_s)
+        first = next(r for r in results if r)  # worker rank 0 answers; TP peers hold the same state
+        if first.get("path"):
+            return {"path": first["path"]}
+        return await asyncio.to_thread(load_file, path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

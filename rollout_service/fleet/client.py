@@ -1,0 +1,159 @@
+"""The data plane's view of the fleet: live engine handles + epoch + a routing policy.
+
+A :class:`FleetClient` is small and pickle-safe (the fleet handle, the last :class:`FleetView`, the
+policy), so it can be shipped to any Ray actor or Serve replica. In a process that routes turns it
+keeps the view fresh with a long poll on the fleet (a changed epoch answers at once), pins each
+rollout to one engine, and moves a pin whose engine left the serving set to the least loaded live
+engine. It never pauses, loads or labels anything: that is the control plane's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Any, Protocol
+
+from rollout_service.fleet.fleet import FleetView, Member
+
+logger = logging.getLogger(__name__)
+
+
+class NoEngineAvailable(RuntimeError):
+    """No engine is serving right now (all dead, replacing, or stale); the fleet is healing."""
+
+
+class RoutingPolicy(Protocol):
+    def choose(self, members: tuple[Member, ...], outstanding: dict[tuple[int, int], int]) -> Member: ...
+
+
+class LeastLoaded:
+    """The member with the fewest requests: its load at the fleet's last probe (every caller's
+    requests) plus this process's own calls started on it since. Ties go to the lowest slot."""
+
+    def choose(self, members, outstanding):
+        return min(members, key=lambda m: (m.load + outstanding.get(m.key, 0), m.slot))
+
+
+class FleetClient:
+    def __init__(self, fleet, view: FleetView | None = None, policy: RoutingPolicy | None = None,
+                 max_pins: int = 100_000, poll_s: float = 2.0):
+        self.fleet = fleet
+        self.view = view
+        self.policy = policy or LeastLoaded()
+        self.max_pins = max_pins
+        self.poll_s = poll_s
+        self.pins: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.outstanding: dict[tuple[int, int], int] = {}
+        self.lost: set[tuple[int, int]] = set()  # members seen failing, until the fleet's view drops them
+        self._watch: asyncio.Task | None = None
+
+    def __getstate__(self):
+        return {"fleet": self.fleet, "view": self.view, "policy": self.policy, "max_pins": self.max_pins,
+                "poll_s": self.poll_s}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    # ------------------------------------------------------------------ view
+    async def refresh(self, wait_s: float = 0.0) -> FleetView:
+        known = self.view.epoch if (self.view is not None and wait_s > 0) else None
+        view = await self.fleet.view.remote(known, wait_s)
+        self._set_view(view)
+        return view
+
+    def _set_view(self, view: FleetView) -> None:
+        if self.view is not None and view.epoch != self.view.epoch:
+            logger.info("fleet epoch %d -> %d: %d engine(s) serving", self.view.epoch, view.epoch, len(view.members))
+        self.view = view
+        live = {m.key for m in view.members}
+        self.lost &= live
+
+    def start_watching(self) -> None:
+        """Follow the fleet in the background in this process's event loop: a long poll that
+        answers at once when the epoch changes, and every ``poll_s`` anyway (fresh loads)."""
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
+
+    async def _watch_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh(wait_s=self.poll_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the fleet restarting: try again shortly
+                logger.warning("fleet view unavailable: %s", exc)
+                await asyncio.sleep(1.0)
+
+    def stop_watching(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    # ------------------------------------------------------------------ routing
+    def members(self) -> tuple[Member, ...]:
+        if self.view is None:
+            return ()
+        return tuple(m for m in self.view.members if m.key not in self.lost)
+
+    def pick(self, rollout_id: str | None) -> Member:
+        """The rollout's pinned engine if it still serves, else the policy's choice (and pin it)."""
+        members = self.members()
+        if not members:
+            raise NoEngineAvailable("no engine replica is serving (the fleet is replacing it)")
+        if rollout_id is not None:
+            key = self.pins.get(rollout_id)
+            if key is not None:
+                for m in members:
+                    if m.key == key:
+                        self.pins.move_to_end(rollout_id)
+                        return m
+        chosen = self.policy.choose(members, self.outstanding)
+        if rollout_id is not None:
+            self.pins[rollout_id] = chosen.key
+            self.pins.move_to_end(rollout_id)
+            if len(self.pins) > self.max_pins:
+                self.pins.popitem(last=False)
+        return chosen
+
+    def acquire(self, member: Member) -> None:
+        self.outstanding[member.key] = self.outstanding.get(member.key, 0) + 1
+
+    def release(self, member: Member) -> None:
+        n = self.outstanding.get(member.key, 0) - 1
+        if n > 0:
+            self.outstanding[member.key] = n
+        else:
+            self.outstanding.pop(member.key, None)
+
+    def report_lost(self, member: Member, error: BaseException) -> None:
+        """A call on ``member`` failed as if the engine were dead: stop routing to it here and tell
+        the fleet, which checks it now instead of at its next probe."""
+        self.lost.add(member.key)
+        try:
+            self.fleet.report_failure.remote(member.slot, member.generation, f"{type(error).__name__}: {error}"[:300],
+                                             is_actor_dead(error))
+        except Exception:  # the fleet itself restarting: its monitor will find the engine anyway
+            pass
+
+
+def is_engine_death(exc: BaseException) -> bool:
+    """Ray's ways of saying the engine actor is gone (killed, crashed, node lost, unreachable)."""
+    import ray.exceptions as rex
+
+    return isinstance(exc, (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError))
+
+
+def is_actor_dead(exc: BaseException) -> bool:
+    """Dead for good (not merely unreachable for a moment)."""
+    import ray.exceptions as rex
+
+    return isinstance(exc, rex.RayActorError) and not isinstance(exc, rex.ActorUnavailableError)
+
+
+async def connect(fleet, **kwargs: Any) -> FleetClient:
+    """A client with a fresh view, following the fleet from now on (call inside the event loop)."""
+    client = FleetClient(fleet, **kwargs)
+    await client.refresh()
+    client.start_watching()
+    return client

@@ -1,0 +1,579 @@
+"""The engine fleet: the one owner of the engine actors.
+
+One named, detached actor per service (``rollout-service-fleet`` in namespace ``rollout-service``).
+It creates the engines from the config (one per GPU / TP group, placed by
+:mod:`rollout_service.fleet.placement`), probes them, replaces the dead and the hung on the
+current weights, and publishes the serving set with an epoch (:class:`FleetView`). What the probes
+and deaths *mean* is decided by the pure state machine in :mod:`rollout_service.fleet.health`;
+this module is its I/O.
+
+Who talks to it:
+
+- the data plane holds a :class:`~rollout_service.fleet.client.FleetClient` (a long-poll on
+  :meth:`EngineFleet.view`) and routes turns to the members;
+- the control plane (the refit controller) brackets every refit with :meth:`begin_refit` /
+  :meth:`end_refit`: no engine joins the serving set while a refit runs, and a replacement only
+  joins once it holds the version the refit committed.
+
+Weights of a replacement: the fleet keeps a record of the current version's source — the
+checkpoint directory it was loaded from (the model path at start, the path transport), or a copy
+in the Ray object store owned by this actor (taken from a serving engine after an in-memory refit,
+off the refit's stall), or, lacking both, a live engine streams them at replacement time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_service.config import EngineConfig, FleetConfig, RolloutServiceConfig
+from rollout_service.fleet.health import SERVING, EngineState, FleetHealth, HealthPolicy
+
+logger = logging.getLogger(__name__)
+
+FLEET_NAME = "rollout-service-fleet"  # fleet_name(default instance_name)
+FLEET_NAMESPACE = "rollout-service"
+BASE_VERSION = "0"  # the label of the model's own weights
+
+
+@dataclass(frozen=True)
+class Member:
+    """One serving engine: its slot (GPU / TP group), the generation of the actor in that slot
+    (bumped by every replacement), the handle, and its load at the last probe."""
+
+    slot: int
+    generation: int
+    handle: Any
+    load: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.slot, self.generation)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The serving set at one epoch. Pickle-safe: it crosses Ray calls."""
+
+    epoch: int
+    version: str
+    members: tuple[Member, ...]
+    refitting: bool = False
+
+    def handles(self) -> list[Any]:
+        return [m.handle for m in self.members]
+
+
+@dataclass
+class _Slot:
+    generation: int = -1
+    actor: Any = None
+    placement: Any = None
+    processes: dict[str, Any] | None = None  # node_id + (pid, create_time) of the engine's processes
+    load: int = 0
+    task: asyncio.Task | None = None  # the start / load running for this slot
+
+
+@dataclass
+class _Weights:
+    """Where the current version's weights can be loaded from."""
+
+    version: str
+    path: str | None = None  # a checkpoint directory holding exactly these weights
+    ref: Any = None  # ObjectRef of {"version", "weights"} in the object store, owned by the fleet
+    exporting: asyncio.Task | None = field(default=None, repr=False)
+
+
+def health_policy(fc: FleetConfig) -> HealthPolicy:
+    return HealthPolicy(**{k: getattr(fc, k) for k in HealthPolicy.__dataclass_fields__})
+
+
+class EngineFleet:
+    def __init__(self, config: RolloutServiceConfig | dict):
+        self.config = config if isinstance(config, RolloutServiceConfig) else RolloutServiceConfig.model_validate(config)
+        self._init_state()
+        self._apps: set[str] = set()
+        self._dependents: list[Any] = []
+        self._config_lock = asyncio.Lock()
+        self._watch_task: asyncio.Task | None = None
+
+    def _init_state(self) -> None:
+        ec = self.config.engine
+        self.health = FleetHealth(ec.num_engines, health_policy(self.config.fleet), current_version=BASE_VERSION)
+        self.slots = [_Slot() for _ in range(ec.num_engines)]
+        self.weights = _Weights(version=BASE_VERSION, path=ec.resolved_model())
+        self._changed = asyncio.Condition()
+        self._started = False
+        self._start_lock = asyncio.Lock()
+        self._monitor: asyncio.Task | None = None
+        self._startup_s: float | None = None
+        self._closing = False
+        self._refit_deadline = float("inf")
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self, wait: bool = True) -> float:
+        """Start every slot's engine (idempotent); with ``wait``, until every first start ended."""
+        async with self._start_lock:
+            if not self._started:
+                self._started = True
+                self._closing = False
+                t0 = time.perf_counter()
+                for i in range(len(self.slots)):
+                    self._launch(i, self.health.slots[i].generation)
+                self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
+                self._t0 = t0
+        if wait:
+            await asyncio.gather(*[s.task for s in self.slots if s.task is not None], return_exceptions=True)
+            if self._startup_s is None:
+                self._startup_s = time.perf_counter() - self._t0
+            if not self.health.serving():
+                errors = "; ".join(f"slot {s.slot}: {s.last_error}" for s in self.health.slots)
+                raise RuntimeError(f"no engine could be started: {errors}")
+        return self._startup_s or 0.0
+
+    async def ensure_config(self, config: dict) -> list[str]:
+        """Redeploys call this with their config. A different *engine* config restarts the fleet on it
+        (the old engines are stopped, not silently kept). Returns the differing fields (empty: same).
+        Other sections (fleet thresholds, ...) are taken over in place."""
+        async with self._config_lock:
+            return await self._ensure_config(RolloutServiceConfig.model_validate(config))
+
+    async def _ensure_config(self, new: RolloutServiceConfig) -> list[str]:
+        old_engine = self.config.engine.model_dump()
+        changed = [k for k, v in new.engine.model_dump().items() if old_engine.get(k) != v]
+        same_model = new.engine.resolved_model() == self.config.engine.resolved_model()
+        if not changed:
+            self.config = new
+            self.health.policy = health_policy(new.fleet)
+            return []
+        logger.warning("engine config changed (%s): restarting the fleet", ", ".join(changed))
+        keep = self.weights if same_model else None
+        keep_version = self.health.current_version if same_model else BASE_VERSION
+        async with self._start_lock:
+            await self._stop_engines()
+            self.config = new
+            self._init_state()
+            if keep is not None and keep_version != BASE_VERSION:
+                self.weights = keep
+                self.health.current_version = keep_version
+        await self.start()
+        return changed
+
+    async def attach_app(self, app_name: str) -> None:
+        """A Serve application uses this fleet: when every attached app is deleted, the fleet stops."""
+        self._apps.add(app_name)
+        if self._watch_task is None:
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch_apps())
+
+    def add_dependent(self, actor) -> None:
+        """An actor that lives only as long as the fleet (the refit controller): killed with it."""
+        self._dependents.append(actor)
+
+    async def shutdown(self) -> None:
+        """Stop every engine and the monitor (the fleet actor itself stays until killed)."""
+        async with self._start_lock:
+            await self._stop_engines()
+            self._started = False
+
+    async def _stop_engines(self) -> None:
+        self._closing = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
+        for s in self.slots:
+            if s.task is not None:
+                s.task.cancel()
+
+        async def stop(s: _Slot):
+            if s.actor is None:
+                return
+            try:
+                await asyncio.wait_for(s.actor.shutdown.remote(), timeout=20)
+            except Exception:
+                pass
+            self._kill(s)
+            if s.placement is not None:
+                from rollout_service.fleet.placement import release_engine_placement
+
+                placement, s.placement = s.placement, None
+                try:
+                    release_engine_placement(placement)
+                except Exception:
+                    pass
+
+        await asyncio.gather(*[stop(s) for s in self.slots])
+        if self.weights.exporting is not None:
+            self.weights.exporting.cancel()
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------------ views
+    def _view(self) -> FleetView:
+        members = tuple(
+            Member(i, self.slots[i].generation, self.slots[i].actor, self.slots[i].load) for i in self.health.serving()
+        )
+        return FleetView(self.health.epoch, self.health.current_version, members, self.health.refitting)
+
+    async def view(self, known_epoch: int | None = None, wait_s: float = 0.0) -> FleetView:
+        """The serving set. With ``known_epoch``, wait up to ``wait_s`` for a different epoch (long poll)."""
+        if known_epoch is not None and wait_s > 0 and known_epoch == self.health.epoch:
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self.health.epoch != known_epoch), wait_s)
+                except asyncio.TimeoutError:
+                    pass
+        return self._view()
+
+    async def _publish(self, epoch_before: int) -> None:
+        if self.health.epoch != epoch_before:
+            logger.info("fleet epoch %d -> %d: serving %s", epoch_before, self.health.epoch, self.health.serving())
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def report_failure(self, slot: int, generation: int, error: str, fatal: bool = False) -> None:
+        """A caller saw a call on this engine fail: ``fatal`` (Ray says the actor died) declares it
+        dead now; otherwise (unreachable for a moment) it is probed now instead of at the next round."""
+        if 0 <= slot < len(self.slots) and self.health.is_current(slot, generation):
+            await self._probe(slot, fatal_error=error if fatal else None)
+
+    async def mark_dead(self, slot: int, generation: int, error: str) -> None:
+        """The control plane found this engine unusable (e.g. a rollback failed): replace it."""
+        before = self.health.epoch
+        self.health.mark_dead(slot, generation, error)
+        self._on_dead(slot, generation)
+        await self._publish(before)
+
+    async def revive(self, slot: int) -> None:
+        """Operator: give a retired (crash-looping) slot a fresh replacement budget."""
+        self.health.revive(slot)
+
+    # ------------------------------------------------------------------ refit bracket
+    async def begin_refit(self, lease_s: float = 3600.0) -> FleetView:
+        """A refit starts over the returned members; nothing joins the serving set until ``end_refit``
+        or until ``lease_s`` passes (a controller that died mid-refit does not block joins forever)."""
+        if self.health.refitting:
+            raise RuntimeError("a refit is already bracketed on the fleet")
+        self.health.begin_refit()
+        self._refit_deadline = time.monotonic() + lease_s
+        exporting = self.weights.exporting
+        if exporting is not None and not exporting.done():
+            exporting.cancel()  # an export must not race the refit's load
+        return self._view()
+
+    async def end_refit(self, version: str | None = None, path: str | None = None) -> FleetView:
+        """End the bracket. ``version``: the refit committed it on every member (``path``: the
+        checkpoint directory it came from, if any); None: nothing changed."""
+        before = self.health.epoch
+        if version is not None and version != self.health.current_version:
+            self.weights = _Weights(version=version, path=path)
+        self.health.end_refit(version)
+        if self.weights.path is None and self.weights.ref is None and self.config.fleet.keep_weights_copy:
+            self._start_export()
+        await self._publish(before)
+        return self._view()
+
+    # ------------------------------------------------------------------ stats
+    async def stats(self) -> dict[str, Any]:
+        slots = self.health.snapshot()
+        for d, s in zip(slots, self.slots):
+            d["load"] = s.load
+            d["node_id"] = (s.processes or {}).get("node_id")
+        w = self.weights
+        return {
+            "epoch": self.health.epoch,
+            "weight_version": self.health.current_version,
+            "refitting": self.health.refitting,
+            "serving": self.health.serving(),
+            "slots": slots,
+            "startup_s": self._startup_s,
+            "weights_source": "path" if w.path else ("object_store" if w.ref is not None else "peer"),
+            "apps": sorted(self._apps),
+        }
+
+    def engine_config(self) -> dict:
+        return self.config.engine.model_dump()
+
+    def service_config(self) -> dict:
+        return self.config.model_dump()
+
+    # ------------------------------------------------------------------ monitor
+    async def _monitor_loop(self) -> None:
+        while not self._closing:
+            try:
+                await self._monitor_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("fleet monitor step failed")
+            await asyncio.sleep(self.health.policy.probe_interval_s)
+
+    async def _monitor_once(self) -> None:
+        probed = [i for i in self.health.in_state(*SERVING, EngineState.STALE) if self.slots[i].actor is not None]
+        await asyncio.gather(*[self._probe(i) for i in probed])
+        if self.health.refitting and time.monotonic() > self._refit_deadline:
+            logger.warning("refit bracket not ended within its lease: ending it (no version change)")
+            await self.end_refit(None)
+        before = self.health.epoch
+        for i in self.health.tick():
+            self._on_dead(i, self.health.slots[i].generation)
+        for i in self.health.due_replacements():
+            old = self.health.slots[i].generation
+            self._kill(self.slots[i])  # idempotent: a dead slot's old actor is gone for good
+            generation = self.health.on_replacement_started(i)
+            logger.warning("replacing engine slot %d (generation %d -> %d): %s", i, old, generation,
+                           self.health.slots[i].last_error)
+            self._launch(i, generation)
+        for i in self.health.stale():
+            s = self.slots[i]
+            if s.task is None or s.task.done():
+                s.task = asyncio.get_running_loop().create_task(self._load_current(i, self.health.slots[i].generation))
+        await self._publish(before)
+
+    async def _probe(self, slot: int, fatal_error: str | None = None) -> None:
+        import ray.exceptions as rex
+
+        s, h = self.slots[slot], self.health.slots[slot]
+        generation = h.generation
+        before = self.health.epoch
+        if s.actor is None:
+            return
+        if fatal_error is not None:
+            self.health.on_probe_failed(slot, generation, fatal_error, fatal=True)
+        else:
+            try:
+                info = await asyncio.wait_for(s.actor.health.remote(), self.health.policy.probe_timeout_s)
+                s.load = int(info.get("in_flight", 0))
+                self.health.on_probe_ok(slot, generation)
+            except asyncio.TimeoutError:
+                self.health.on_probe_failed(slot, generation, f"probe timed out after {self.health.policy.probe_timeout_s}s")
+            except (rex.RayActorError, rex.ActorUnavailableError) as exc:
+                self.health.on_probe_failed(slot, generation, f"{type(exc).__name__}: actor died", fatal=True)
+            except Exception as exc:  # EngineUnavailable (vLLM engine errored) and the like
+                self.health.on_probe_failed(slot, generation, _short(exc), fatal=True)
+        if self.health.slots[slot].state in (EngineState.DEAD, EngineState.RETIRED) and self.health.is_current(slot, generation):
+            self._on_dead(slot, generation)
+        await self._publish(before)
+
+    def _on_dead(self, slot: int, generation: int) -> None:
+        s = self.slots[slot]
+        if s.generation == generation:
+            logger.warning("engine slot %d (generation %d) is dead: %s", slot, generation,
+                           self.health.slots[slot].last_error)
+            self._kill(s)
+
+    def _kill(self, s: _Slot) -> None:
+        """Kill the slot's actor and make sure its processes are gone (a SIGSTOPped engine ignores
+        everything but SIGKILL, and ``ray.kill`` leaves it, and its EngineCore child, for a while)."""
+        import ray
+
+        actor, processes = s.actor, s.processes
+        s.actor, s.processes, s.load = None, None, 0
+        if actor is None:
+            return
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
+        if processes:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            _kill_processes.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(processes["node_id"], soft=False)
+            ).remote(processes["processes"])
+
+    # ------------------------------------------------------------------ bring-up
+    def _launch(self, slot: int, generation: int) -> None:
+        s = self.slots[slot]
+        if s.task is not None and not s.task.done():
+            s.task.cancel()  # a start of an earlier generation that never ended
+        s.task = asyncio.get_running_loop().create_task(self._bring_up(slot, generation))
+
+    async def _bring_up(self, slot: int, generation: int) -> None:
+        """Start an engine in ``slot`` and bring it to the current weights; failures go to the state machine."""
+        from rollout_service.engine.replica import create_engine_actor
+        from rollout_service.fleet.placement import reserve_engine_placement
+
+        s = self.slots[slot]
+        ec = self.config.engine
+        timeout = self.health.policy.start_timeout_s
+        try:
+            if s.placement is None:  # kept across replacements: a replacement gets the same GPUs / node
+                s.placement = await asyncio.to_thread(reserve_engine_placement, ec, slot, timeout_s=timeout)
+            actor = create_engine_actor(ec, slot, placement=s.placement, initial_weight_version=BASE_VERSION)
+            s.generation, s.actor = generation, actor
+            await asyncio.wait_for(actor.start.remote(), timeout)
+            s.processes = await asyncio.wait_for(actor.process_info.remote(), 60)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("engine slot %d failed to start: %s", slot, _short(exc))
+            await self._failed(slot, generation, _short(exc))
+            return
+        await self._load_current(slot, generation)
+
+    async def _failed(self, slot: int, generation: int, error: str) -> None:
+        before = self.health.epoch
+        self.health.on_start_failed(slot, generation, error)
+        if self.slots[slot].generation == generation:
+            self._kill(self.slots[slot])
+        await self._publish(before)
+
+    async def _load_current(self, slot: int, generation: int) -> None:
+        """Load the current version into the slot's engine (nothing to do for the model's own weights),
+        label it, and report it loaded: it serves if that is still the current version."""
+        s = self.slots[slot]
+        while self.health.refitting and not self._closing:
+            await asyncio.sleep(0.05)  # a load must not race a refit; the new version comes after it
+        target = self.weights
+        timeout = self.health.policy.start_timeout_s
+        try:
+            if not self.health.is_current(slot, generation) or s.actor is None:
+                return
+            loaded = await asyncio.wait_for(s.actor.weight_version.remote(), 60)
+            if loaded != target.version:
+                source = await self._source_for(target, exclude=slot)
+                actor = s.actor
+                await asyncio.wait_for(actor.stage_weights_from_object_store.remote([source], timeout), timeout)
+                await asyncio.wait_for(actor.collective_rpc.remote("rs_load_staged", timeout=timeout), timeout)
+                await asyncio.wait_for(actor.collective_rpc.remote("rs_commit", timeout=timeout), timeout)
+                await asyncio.wait_for(actor.set_weight_version.remote(target.version), 60)
+                loaded = target.version
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("engine slot %d could not load version %s: %s", slot, target.version, _short(exc))
+            await self._failed(slot, generation, f"loading version {target.version}: {_short(exc)}")
+            return
+        before = self.health.epoch
+        state = self.health.on_loaded(slot, generation, loaded)
+        logger.info("engine slot %d (generation %d) loaded version %s: %s", slot, generation, loaded, state.value)
+        await self._publish(before)
+
+    async def _source_for(self, target: _Weights, exclude: int):
+        """An object ref a replacement stages from: the path, the kept copy, or a live engine's export."""
+        import ray
+
+        if target.path is not None:
+            return ray.put({"path": target.path})
+        if target.exporting is not None and not target.exporting.done():
+            await asyncio.shield(target.exporting)
+        if target.ref is not None:
+            return target.ref
+        for m in self._view().members:
+            if m.slot != exclude:
+                version_ref, weights_ref = self._export(m)
+                if await version_ref == target.version:
+                    return weights_ref
+        raise RuntimeError(f"no source for weight version {target.version}: no checkpoint path, no kept copy, "
+                           "no live engine to stream it from")
+
+    def _export(self, member: Member):
+        """(version ref, weights ref) of a serving engine's weights. Both are return values of a call
+        this actor makes, so this actor owns them: they outlive the engine that produced them."""
+        return member.handle.export_weights.options(num_returns=2).remote(self.health.policy.start_timeout_s)
+
+    def _start_export(self) -> None:
+        """Keep a copy of the current weights in the object store, owned by this actor."""
+        target = self.weights
+
+        async def export():
+            for m in self._view().members:
+                try:
+                    version_ref, weights_ref = self._export(m)
+                    if await version_ref == target.version and self.weights is target:
+                        await _ready(weights_ref)
+                        target.ref = weights_ref
+                        return
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    logger.warning("export of version %s from slot %d failed: %s", target.version, m.slot, _short(exc))
+
+        target.exporting = asyncio.get_running_loop().create_task(export())
+
+    # ------------------------------------------------------------------ app watch
+    async def _watch_apps(self) -> None:
+        """Stop when every Serve app that attached is gone (``serve delete``, ``serve shutdown``)."""
+        from ray import serve
+
+        missing = 0
+        while True:
+            await asyncio.sleep(5)
+            try:
+                apps = set((await asyncio.to_thread(serve.status)).applications)
+                gone = bool(self._apps) and not (self._apps & apps)
+            except Exception:  # no Serve controller: Serve was shut down
+                gone = True
+            missing = missing + 1 if gone else 0
+            if missing >= 2:
+                logger.warning("Serve app(s) %s deleted: stopping the engine fleet", sorted(self._apps))
+                await self.shutdown()
+                import ray
+
+                for actor in self._dependents:
+                    try:
+                        ray.kill(actor, no_restart=True)
+                    except Exception:
+                        pass
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+
+
+async def _ready(ref) -> None:
+    import ray
+
+    await asyncio.to_thread(ray.wait, [ref], num_returns=1, fetch_local=False)
+
+
+def _remote(fn):
+    import ray
+
+    return ray.remote(num_cpus=0)(fn)
+
+
+@_remote
+def _kill_processes(processes: list[tuple[int, float]]) -> int:
+    """SIGKILL these processes if they are still the ones recorded (pid and start time match)."""
+    import psutil
+
+    killed = 0
+    for pid, created in processes:
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - created) < 1e-3:
+                p.kill()
+                killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return killed
+
+
+def _short(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None) or exc
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+def fleet_name(instance_name: str) -> str:
+    return f"{instance_name}-fleet"
+
+
+def get_or_create_fleet(config: RolloutServiceConfig, *, detached: bool = True):
+    """The service's fleet actor (``<service.instance_name>-fleet``), created on first call
+    (detached: it outlives the callers)."""
+    import ray
+
+    opts: dict[str, Any] = dict(name=fleet_name(config.service.instance_name), namespace=FLEET_NAMESPACE, get_if_exists=True, num_cpus=0,
+                                max_concurrency=1000)
+    if detached:
+        opts["lifetime"] = "detached"
+    return ray.remote(EngineFleet).options(**opts).remote(config.model_dump())
+
+
+def get_fleet(name: str = FLEET_NAME):
+    import ray
+
+    return ray.get_actor(name, namespace=FLEET_NAMESPACE)

@@ -1,0 +1,94 @@
+"""Redeploying with a different engine config restarts the engines on it (never silently keeps the
+old ones), and deleting the Serve app stops the engines and the fleet."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import ray
+
+pytestmark = pytest.mark.serve
+
+APP = "cfgtest"
+
+
+def _wait_healthy(url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not healthy after {timeout}s")
+
+
+def _engine_pids(fleet) -> list[int]:
+    view = ray.get(fleet.view.remote())
+    return [ray.get(m.handle.health.remote())["pid"] for m in view.members]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(service, redis_server, tiny_model_dir):
+    from ray import serve
+
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.fleet.fleet import fleet_name, get_fleet
+    from rollout_service.serve.app import build_app
+
+    def config(max_num_seqs: int) -> RolloutServiceConfig:
+        return RolloutServiceConfig.model_validate({
+            "engine": {"model": str(tiny_model_dir), "max_num_seqs": max_num_seqs, "num_cpus_per_engine": 0},
+            "store": {"redis_url": redis_server, "key_prefix": APP},
+            "service": {"instance_name": APP, "num_affinity_replicas": 1},
+        })
+
+    health = f"{service.url}/{APP}/health"
+    serve.run(build_app(config(16)), name=APP, route_prefix=f"/{APP}")
+    try:
+        _wait_healthy(health)
+        fleet = get_fleet(fleet_name(APP))
+        assert ray.get(fleet.engine_config.remote())["max_num_seqs"] == 16
+        old_pids = _engine_pids(fleet)
+
+        t0 = time.monotonic()
+        serve.run(build_app(config(8)), name=APP, route_prefix=f"/{APP}")  # the redeploy
+        deadline = time.monotonic() + 300
+        while ray.get(fleet.engine_config.remote())["max_num_seqs"] != 8:
+            assert time.monotonic() < deadline, "the fleet kept the old engine config"
+            time.sleep(0.5)
+        _wait_healthy(health)
+        print(f"redeploy with a new engine config -> healthy on new engines: {time.monotonic() - t0:.1f}s")
+        new_pids = _engine_pids(fleet)
+        assert new_pids and not set(new_pids) & set(old_pids)
+        assert all(_gone(p) for p in old_pids), "old engines still running"
+        # The new engines really run the new config.
+        r = httpx.post(f"{service.url}/{APP}/v1/chat/completions", timeout=120, json={
+            "model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    finally:
+        serve.delete(APP)
+
+    t0 = time.monotonic()
+    while True:  # the fleet notices the deletion, stops its engines and exits
+        try:
+            get_fleet(fleet_name(APP))
+        except ValueError:
+            break
+        assert time.monotonic() - t0 < 60, "the fleet outlived its app"
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not all(_gone(p) for p in new_pids):
+        assert time.monotonic() < deadline, "engines outlived the deleted app"
+        time.sleep(0.5)
+    print(f"app deleted -> fleet and engines gone: {time.monotonic() - t0:.1f}s")

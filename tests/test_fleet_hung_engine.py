@@ -1,0 +1,75 @@
+"""A hung engine (SIGSTOP) is declared dead within the configured time and replaced; its
+in-flight calls fail over (no token sent yet) or answer 503 (tokens already streamed); the
+stopped process is killed, never reused."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from fleet_helpers import FLEET, call, kill_pid, new_rid, process_gone
+
+pytestmark = pytest.mark.engine
+
+
+async def test_sigstopped_engine_is_detected_killed_and_replaced(fleet_rig):
+    rig = fleet_rig
+    view = await rig.view()
+    pids = await rig.member_pids()
+    victim = view.members[0]
+    client = rig.runner.fleet
+
+    # A streaming call that has already sent tokens when the engine hangs.
+    streaming_rid = new_rid("hung-stream")
+    client.pins[streaming_rid] = victim.key
+    payload = {"rollout_id": streaming_rid, "messages": [{"role": "user", "content": "a long story"}],
+               "max_tokens": 400, "stream": True, "sampling": {"seed": 3, "ignore_eos": True}}
+    events: list[dict] = []
+    first_delta = asyncio.Event()
+
+    async def consume():
+        async for e in rig.runner.run_call(payload):
+            events.append(e)
+            if e.get("kind") == "delta":
+                first_delta.set()
+
+    streaming = asyncio.create_task(consume())
+    await asyncio.wait_for(first_delta.wait(), 60)
+
+    kill_pid(pids[victim.slot], signal.SIGSTOP)
+    t_stop = time.monotonic()
+    # A non-streaming call pinned to the hung engine: nothing sent yet, so it is retried elsewhere.
+    quiet_rid = new_rid("hung-quiet")
+    client.pins[quiet_rid] = victim.key
+    quiet = asyncio.create_task(call(rig.runner, quiet_rid, [{"role": "user", "content": "hi"}], seed=4, stream=False))
+
+    detect_s = await rig.wait_not_serving(victim.slot, timeout=60)
+    bound = FLEET["unresponsive_after_s"] + FLEET["probe_interval_s"] + FLEET["probe_timeout_s"] + 2
+    print(f"SIGSTOP -> declared dead: {detect_s:.1f}s (bound {bound:.1f}s)")
+    assert detect_s <= bound
+
+    await asyncio.wait_for(streaming, 60)
+    assert any(e.get("kind") == "delta" for e in events)
+    assert events[-1].get("__error__") == 503, events[-1]
+    assert await rig.store.load(streaming_rid) is None  # nothing stored for the failed call
+
+    result = await asyncio.wait_for(quiet, 60)
+    assert "__error__" not in result and result["rollout"]["turn"] == 1, result
+    assert (await rig.store.load(quiet_rid)).turn == 1
+
+    # The stopped process is killed (SIGKILL reaches a stopped process); a SIGCONT finds nothing to resume.
+    deadline = time.monotonic() + 30
+    while not process_gone(pids[victim.slot]):
+        assert time.monotonic() < deadline, "the hung engine's process was not killed"
+        await asyncio.sleep(0.2)
+    try:
+        kill_pid(pids[victim.slot], signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    await rig.wait_serving(2, version=view.version)
+    new_pids = await rig.member_pids()
+    assert new_pids[victim.slot] != pids[victim.slot]
+    print(f"SIGSTOP -> two engines serving again: {time.monotonic() - t_stop:.1f}s")

@@ -1,0 +1,37 @@
+"""Multi-node, for real: two Ray nodes (a separate cluster, in a subprocess), engines placed on the
+worker node by ``bundle_resources``, a gloo refit group spanning both nodes, an engine killed on the
+worker node healed there on the current weights (tests/multinode_cluster.py does the work)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_engine_on_the_worker_node_refits_across_nodes_and_heals_there():
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    proc = subprocess.run([sys.executable, str(HERE / "multinode_cluster.py")], capture_output=True, text=True,
+                          timeout=900, env=env, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps({k: out[k] for k in ("start_s", "heal_s", "refit_1")}))
+    worker = out["nodes"]["worker"]
+    assert out["nodes"]["head"] != worker
+    assert out["before"]["slots"] == [[0, 0, worker, "healthy"]]
+    assert out["refit_1"]["ok"] and out["after_refit"]["version"] == "mn-1"
+    assert out["after_refit"]["checksum"] != out["before"]["checksum"]
+    # Healed on the worker node (the slot's placement group), on the current weights.
+    assert out["healed"]["slots"] == [[0, 1, worker, "healthy"]]
+    assert out["healed"]["pid"] != out["after_refit"]["pid"]
+    assert out["healed"]["version"] == "mn-1" and out["healed"]["checksum"] == out["after_refit"]["checksum"]
+    assert out["refit_2"]["ok"] and out["after_refit_2"]["version"] == "mn-2"
+    assert out["after_refit_2"]["checksum"] != out["healed"]["checksum"]

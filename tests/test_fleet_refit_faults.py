@@ -1,0 +1,54 @@
+"""An engine killed in the middle of a refit: the refit fails cleanly (old version on every
+survivor, all resumed, nothing aborted), the fleet replaces the engine on that old version, and
+the next refit reaches both engines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from safetensors.torch import load_file
+
+from fleet_helpers import kill_pid
+from refit_helpers import perturbed
+
+pytestmark = pytest.mark.engine
+
+
+async def test_engine_killed_mid_transfer_fails_the_refit_cleanly(fleet_rig, tiny_model_dir):
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.types import RefitFailed
+
+    rig = fleet_rig
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    trainer = TrainerClient(rig.controller, timeout_s=60, bucket_bytes=8 * 1024 * 1024)  # several buckets
+    await asyncio.to_thread(trainer.init_weight_sync, timeout_s=5)  # receives time out after 5 s
+    version = (await rig.view()).version
+    checksums = await rig.checksums_by_slot()
+    pids = await rig.member_pids()
+    victim = 1
+
+    def kill_after_first_bucket(i):
+        if i == 0:
+            kill_pid(pids[victim])
+
+    with pytest.raises(RefitFailed) as err:
+        await asyncio.to_thread(trainer.refit, "killed-mid-refit", perturbed(base, seed=21),
+                                on_bucket=kill_after_first_bucket, timeout_s=10)
+    report = err.value.report
+    print(f"refit failed at {report['failed_step']}: {report['error'][:200]}")
+    assert report["engines_lost"] == [victim] and not report["ok"] and report["requests_aborted"] == 0
+    # The survivor: old weights, old label, not paused.
+    survivors = await rig.checksums_by_slot()
+    assert survivors and all(survivors[s] == checksums[s] for s in survivors)
+    assert set((await rig.versions_by_slot()).values()) == {version}
+    assert not any((await rig.paused_by_slot()).values())
+
+    await rig.wait_serving(2, version=version)  # replaced on the old (current) version
+    assert await rig.checksums_by_slot() == checksums
+    await asyncio.to_thread(trainer.init_weight_sync)
+    ok = await asyncio.to_thread(trainer.refit, "after-the-fault", perturbed(base, seed=22))
+    assert ok["ok"] and sorted(ok["engines"]) == [0, 1]
+    sums = await rig.checksums_by_slot()
+    assert sums[0] == sums[1] != checksums[0]
+    assert await rig.versions_by_slot() == {0: "after-the-fault", 1: "after-the-fault"}
