@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import tempfile
-from typing import Any
+import threading
+import time
+from typing import Any, Iterable, NamedTuple
 
 RAY_ENV = {
     # Token auth would write ~/.ray/auth_token; a local dev cluster on loopback does not need it.
@@ -45,6 +49,34 @@ def start_local_ray(num_cpus: int = 16, address: str | None = None) -> dict[str,
 
     if ray.is_initialized():
         return {"address": ray.get_runtime_context().gcs_address}
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    sigterm_handler = signal.getsignal(signal.SIGTERM) if on_main_thread else None
+    try:
+        return _init_ray(num_cpus, address)
+    finally:
+        if sigterm_handler is not None:  # None: not set from Python, nothing to give back
+            _restore_sigterm(sigterm_handler)
+
+
+def _restore_sigterm(previous) -> None:
+    """Take SIGTERM back from the failure handler Ray's core worker installs in the driver.
+
+    ``ray.init`` replaces the Python SIGTERM handler with ``sys.exit``, and the driver's core worker
+    then installs Abseil's failure-signal handler on SIGTERM at the C level: it calls the Python
+    handler, but also arms ``alarm(3)``, so three seconds after a SIGTERM the process aborts with
+    SIGABRT, in the middle of whatever orderly stop the signal started (no ``finally``, no atexit,
+    no ``ray.shutdown``: the raylet dies with us and its agents are orphaned). A stop request is
+    not a crash: SIGTERM goes back to a plain Python handler, the one this process had, or Ray's
+    ``sys.exit`` if it had none; SIGSEGV and the other crash signals keep Ray's handler.
+    """
+    rays = signal.getsignal(signal.SIGTERM)
+    keep_rays = previous == signal.SIG_DFL and callable(rays)
+    signal.signal(signal.SIGTERM, rays if keep_rays else previous)
+
+
+def _init_ray(num_cpus: int, address: str | None) -> dict[str, Any]:
+    import ray
+
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ctx = ray.init(address=address, namespace="rollout-service", ignore_reinit_error=True)
@@ -69,3 +101,172 @@ def start_local_ray(num_cpus: int = 16, address: str | None = None) -> dict[str,
                     raise
                 ray.shutdown()
     return {"address": ctx.address_info.get("gcs_address")}
+
+
+class ProcessId(NamedTuple):
+    """A process named by pid and start time (clock ticks since boot): a reused pid does not match."""
+
+    pid: int
+    start_time: int
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/<pid>/stat (after the parenthesised command, which may hold spaces)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def process_id(pid: int) -> ProcessId | None:
+    fields = _stat_fields(pid)
+    return ProcessId(pid, int(fields[19])) if fields else None
+
+
+def is_running(proc: ProcessId) -> bool:
+    """Still the same process, and not a zombie (an exited child nobody has reaped yet)."""
+    fields = _stat_fields(proc.pid)
+    return bool(fields) and fields[0] not in ("Z", "X") and int(fields[19]) == proc.start_time
+
+
+def _own_pids() -> list[int]:
+    """The pids of this user's processes, but this one."""
+    uid, me = os.getuid(), os.getpid()
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != me:
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    pids.append(int(name))
+            except OSError:
+                pass
+    return pids
+
+
+def process_tree(roots: Iterable[int]) -> set[ProcessId]:
+    """``roots`` and all their descendants, as they are now."""
+    children: dict[int, list[int]] = {}
+    for pid in _own_pids():
+        fields = _stat_fields(pid)
+        if fields:
+            children.setdefault(int(fields[1]), []).append(pid)
+    found: set[ProcessId] = set()
+    todo = list(roots)
+    while todo:
+        pid = todo.pop()
+        proc = process_id(pid)
+        if proc is not None and proc not in found:
+            found.add(proc)
+            todo.extend(children.get(pid, ()))
+    return found
+
+
+def _files_written_under(pid: int, directory: str) -> list[str]:
+    """The paths under ``directory`` that ``pid`` holds open for writing."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return []
+    written = []
+    for fd in fds:
+        try:
+            path = os.readlink(f"{fd_dir}/{fd}")
+            if not path.startswith(directory):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            written.append(path)
+    return written
+
+
+def session_processes(session_dir: str) -> set[ProcessId]:
+    """This user's processes writing into a Ray session dir, other drivers connected to it excepted.
+
+    Every process of a Ray session writes its logs there, and a process a worker starts inherits
+    the worker's log as its stdout; the command line is no guide, as Ray renames most of its
+    processes (``ray::IDLE``, ``ray::DashboardAgent``...). A driver connected to the cluster writes
+    its ``python-core-driver-*`` log there too, but it is not the session's: left out. So is a
+    process that only reads there (someone's ``tail -f`` on a log).
+    """
+    directory = session_dir.rstrip("/") + "/"
+    found = set()
+    for pid in _own_pids():
+        written = _files_written_under(pid, directory)
+        if written and not any("/python-core-driver-" in path for path in written):
+            proc = process_id(pid)
+            if proc is not None:
+                found.add(proc)
+    return found
+
+
+def _signal(proc: ProcessId, sig: int) -> None:
+    if is_running(proc):
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_processes(procs: Iterable[ProcessId], grace: float = 5.0) -> list[int]:
+    """SIGTERM the processes of ``procs`` still running, SIGKILL those alive after ``grace`` seconds.
+
+    Returns the pids that were still running. Processes are only ever signalled by pid after
+    checking their start time, so a pid the kernel has given to someone else is left alone.
+    """
+    alive = [p for p in procs if is_running(p)]
+    for proc in alive:
+        _signal(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(is_running(p) for p in alive) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for proc in alive:
+        _signal(proc, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while any(is_running(p) for p in alive) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sorted(p.pid for p in alive)
+
+
+def _local_ray_session() -> tuple[str | None, list[int]]:
+    """The session dir and process ids of the Ray this process started (nothing when it only connected)."""
+    import ray._private.worker
+
+    node = ray._private.worker._global_node
+    if node is None or not node.all_processes:
+        return None, []
+    pids = [info.process.pid for infos in node.all_processes.values() for info in infos]
+    return node.get_session_dir_path(), pids
+
+
+def shutdown_local_ray(grace: float = 5.0) -> list[int]:
+    """``ray.shutdown()``, then stop by pid whatever process of the Ray this process started is left.
+
+    ``ray.shutdown()`` alone is not always enough. It gives the raylet one second after SIGTERM,
+    then SIGKILLs it; the raylet's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``) then
+    try to report its death to a GCS that is being killed too, and sit in that RPC deaf to SIGTERM
+    (seen when the driver died mid-stop). And the raylet stops a worker by signalling the worker's
+    process group, so a process a worker started in a session of its own outlives it. So the tree
+    under the processes Ray started is recorded before the shutdown reparents it, and whatever of
+    it still runs afterwards is stopped, as is any process of the session found by the logs it
+    writes (``session_processes``: one already orphaned, or started during the shutdown). Other
+    drivers connected to this cluster were not started here and are left alone, as is a cluster
+    this process only connected to. Returns the pids that had to be stopped.
+    """
+    if "ray" not in sys.modules:
+        return []
+    import ray
+
+    session_dir, ray_pids = _local_ray_session() if ray.is_initialized() else (None, [])
+    ours = process_tree(ray_pids)
+    if session_dir:
+        ours |= session_processes(session_dir)
+    ray.shutdown(wait_for_processes=True)
+    if session_dir:
+        ours |= session_processes(session_dir)
+    return stop_processes(ours, grace)

@@ -28,6 +28,7 @@ class LocalService:
         self.host, self.port = host, port
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="rollout-service-")
         self.redis = None
+        self.fleet = None
         self.controller = None
         self.log = log
 
@@ -38,6 +39,7 @@ class LocalService:
     def start(self) -> "LocalService":
         from ray import serve
 
+        from rollout_service.fleet.fleet import get_or_create_fleet
         from rollout_service.refit.controller import get_or_create_controller
         from rollout_service.runtime import start_local_ray
         from rollout_service.serve.app import build_app
@@ -53,9 +55,13 @@ class LocalService:
         self.log(f"[up] model: {model}")
         start_local_ray()
         self.log(f"[up] Ray started ({time.perf_counter() - t0:.1f}s); loading {self.config.engine.num_engines} engine(s)...")
-        self.controller = get_or_create_controller(self.config)
+        self.fleet = get_or_create_fleet(self.config)
         import ray
 
+        changed = ray.get(self.fleet.ensure_config.remote(self.config.model_dump()))
+        if changed:
+            self.log(f"[up] engine config differs from the running fleet's ({', '.join(changed)}): restarted it")
+        self.controller = get_or_create_controller(self.config)
         ref = self.controller.start.remote()
         while True:
             ready, _ = ray.wait([ref], timeout=5)
@@ -88,43 +94,110 @@ class LocalService:
         raise RuntimeError(f"service not healthy after {timeout}s: {last}")
 
     def stop(self) -> None:
+        """Delete the app, stop the engines, then the embedded redis-server (its AOF flushed).
+
+        Ray itself stays up (the tests share one); ``run_up`` shuts it down. The redis-server is
+        stopped even when a step before fails or is interrupted (a second Ctrl-C).
+        """
         import ray
         from ray import serve
 
-        if ray.is_initialized():  # never start a Ray just to delete an app that was not deployed
-            try:
-                serve.delete(APP_NAME)
-            except Exception:
-                pass
-        if self.controller is not None and ray.is_initialized():
-            try:
-                ray.get(self.controller.shutdown.remote(), timeout=60)
-            except Exception:
-                pass
-            ray.kill(self.controller)
-            self.controller = None
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
+        try:
+            if ray.is_initialized():  # never start a Ray just to delete an app that was not deployed
+                try:
+                    serve.delete(APP_NAME)
+                except Exception:
+                    pass
+            if self.controller is not None and ray.is_initialized():
+                try:
+                    ray.get(self.controller.shutdown.remote(), timeout=60)
+                except Exception:
+                    pass
+                ray.kill(self.controller)
+                self.controller = None
+            if self.fleet is not None and ray.is_initialized():  # the fleet owns (and stops) the engines
+                try:
+                    ray.get(self.fleet.shutdown.remote(), timeout=60)
+                except Exception:
+                    pass
+                ray.kill(self.fleet)
+                self.fleet = None
+        finally:
+            if self.redis is not None:
+                self.redis.stop()
+                self.redis = None
 
 
 def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = None, redis_url: str | None = None) -> int:
+    """Serve until SIGINT / SIGTERM, then stop everything this process started.
+
+    First signal: an orderly stop (during start-up it cuts the start short). A second one while
+    the app and engines wind down skips that wait; Ray, its processes and the redis-server are
+    still stopped, and further signals are ignored until they are.
+    """
+    from rollout_service.runtime import process_id, process_tree, shutdown_local_ray, stop_processes
+
     config = RolloutServiceConfig.from_yaml(config_path) if config_path else RolloutServiceConfig()
     if redis_url:
         config.store.redis_url = redis_url
     svc = LocalService(config, host=host, port=port)
     stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    phase = "starting"  # -> up -> stopping -> forced (a second signal) -> final (uninterruptible)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        # Runs in the main thread between two bytecodes: write with os.write (print may be mid-line).
+        # KeyboardInterrupt, because Ray's blocking calls turn only that into an exception.
+        nonlocal phase
+        if phase == "up":
+            stop.set()
+        elif phase == "starting":
+            phase = "stopping"
+            raise KeyboardInterrupt
+        elif phase == "stopping":
+            phase = "forced"
+            os.write(2, b"[up] stopping now, without waiting for the app and engines to wind down\n")
+            raise KeyboardInterrupt
+        else:
+            os.write(2, b"[up] still stopping Ray and redis-server: a few more seconds\n")
+
+    def take_signals() -> None:
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+    take_signals()
     try:
         svc.start()
+        take_signals()  # ray.init replaces the SIGTERM handler (see runtime._restore_sigterm)
+        phase = "up"
         print(f"rollout-service is up: {svc.url}  (OpenAI base_url {svc.url}/v1; Ctrl-C stops)", flush=True)
         print(f"try: rollout-service demo --url {svc.url}", flush=True)
         stop.wait()
+    except KeyboardInterrupt:
+        pass
     finally:
+        if phase in ("starting", "up"):
+            phase = "stopping"
+        # A SIGTERM that reached Ray's failure handler armed alarm(3) to abort us: disarm it.
+        signal.alarm(0)
+        take_signals()
         print("[up] stopping", flush=True)
-        svc.stop()
-        import ray
-
-        ray.shutdown()
+        stopping_since = time.perf_counter()
+        started = process_tree([os.getpid()]) - {process_id(os.getpid())}  # before Ray's exit reparents it
+        try:
+            if phase == "stopping":
+                svc.stop()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            phase = "final"
+            leftovers: list[int] = []
+            try:
+                leftovers += shutdown_local_ray()
+            finally:
+                if svc.redis is not None:  # stop() was cut short before it got there
+                    svc.redis.stop()
+                leftovers += stop_processes(started)
+            if leftovers:
+                print(f"[up] had to stop leftover processes by pid: {sorted(set(leftovers))}", flush=True)
+            print(f"[up] stopped ({time.perf_counter() - stopping_since:.1f}s)", flush=True)
     return 0

@@ -3,18 +3,23 @@
 On one machine the service still needs a real Redis: Ray actors in different processes must share
 rollout state, which no in-process fake can do. This starts the apt-installed ``redis-server`` on
 127.0.0.1 with an append-only file (so a restart keeps every rollout) and no RDB snapshots (which
-would fork a 2-core box for nothing), and stops exactly the process it started.
+would fork a 2-core box for nothing), and stops exactly the process it started. The server also
+gets SIGTERM from the kernel when the process that started it dies, even by SIGKILL, so it cannot
+outlive its owner.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -49,13 +54,72 @@ def _ping(host: str, port: int, timeout: float = 0.2) -> bool:
         return False
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal(sig: int):
+    """A ``preexec_fn`` asking the kernel to send ``sig`` to the child when its parent dies (Linux).
+
+    ``prctl`` is looked up here, in the parent, so the forked child only makes the call. If the
+    parent died between ``fork`` and ``prctl`` the child is already orphaned and exits at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.restype = ctypes.c_int
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    parent, sig = os.getpid(), int(sig)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def _popen_tied_to_this_process(args: Sequence[str], **kwargs) -> subprocess.Popen:
+    """``Popen(args)`` whose child gets SIGTERM when this process dies, however it dies.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. So the
+    fork happens in a daemon thread that then just waits for the child: it lives exactly as long
+    as the server should (until the child exits, or this whole process dies), whatever thread
+    (an executor's worker, a short-lived helper) calls ``start()``.
+    """
+    started: dict[str, object] = {}
+    ready = threading.Event()
+
+    def spawn_and_wait() -> None:
+        try:
+            proc = subprocess.Popen(args, preexec_fn=_parent_death_signal(signal.SIGTERM), **kwargs)
+        except BaseException as exc:  # handed to the caller
+            started["error"] = exc
+            ready.set()
+            return
+        started["proc"] = proc
+        ready.set()
+        proc.wait()
+
+    threading.Thread(target=spawn_and_wait, name=f"{os.path.basename(args[0])}-owner", daemon=True).start()
+    ready.wait()
+    if "error" in started:
+        raise started["error"]  # type: ignore[misc]
+    return started["proc"]  # type: ignore[return-value]
+
+
 class EmbeddedRedis:
     """One redis-server child process with its data in ``directory``.
 
     ``start()`` returns the URL; ``stop()`` sends SIGTERM (Redis flushes the AOF on a clean shutdown),
     waits, then SIGKILLs. ``restart()`` keeps port and directory, so the URL stays valid and the AOF is
     replayed. Also a context manager. A stop is registered with ``atexit`` so an interrupted test run
-    or CLI does not leave an orphan server behind.
+    or CLI does not leave an orphan server behind, and the kernel sends the server SIGTERM (its
+    clean shutdown) when this process dies without running atexit (SIGKILL, abort). The server
+    runs in its own session, so a Ctrl-C to the terminal's process group does not reach it before
+    the orderly stop has flushed the AOF.
     """
 
     def __init__(
@@ -123,7 +187,7 @@ class EmbeddedRedis:
             *self.extra_args,
         ]
         with open(self.log_path, "ab") as logf:
-            self.process = subprocess.Popen(
+            self.process = _popen_tied_to_this_process(
                 args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
             )
         deadline = time.monotonic() + self.ready_timeout

@@ -1,0 +1,294 @@
+"""``rollout-service up`` leaves nothing behind: not its redis-server, not one process of its Ray.
+
+Real processes, no mocks. Each test finds what it started by walking /proc (independently of the
+code under test), and stops all of it by pid, also when it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout_service.runtime import LOCAL_ENGINE_ENV, RAY_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+
+Proc = tuple[int, int]  # (pid, start time in clock ticks since boot): a reused pid does not match
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace")
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:].split()  # state, ppid, ... (the command may hold spaces)
+
+
+def _proc(pid: int) -> Proc | None:
+    fields = _stat(pid)
+    return (pid, int(fields[19])) if fields else None
+
+
+def _running(proc: Proc) -> bool:
+    fields = _stat(proc[0])
+    return bool(fields) and fields[0] not in ("Z", "X") and int(fields[19]) == proc[1]
+
+
+def _all_pids() -> list[int]:
+    return [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) != os.getpid()]
+
+
+def _descendants(root: int) -> set[Proc]:
+    children: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        fields = _stat(pid)
+        if fields:
+            children.setdefault(int(fields[1]), []).append(pid)
+    found, todo = set(), list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        proc = _proc(pid)
+        if proc and proc not in found:
+            found.add(proc)
+            todo.extend(children.get(pid, ()))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _uses_dir(pid: int, directory: str) -> bool:
+    """Named in the command line, or a file under it open (Ray renames its workers and agents)."""
+    if directory in _cmdline(pid):
+        return True
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(directory + "/"):
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _using(directory: str) -> set[Proc]:
+    return {p for pid in _all_pids() if _uses_dir(pid, directory) and (p := _proc(pid)) and _running(p)}
+
+
+def _wait_gone(procs, timeout: float) -> list[Proc]:
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in procs if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def _kill(procs) -> None:
+    for proc in procs:
+        if _running(proc):
+            try:
+                os.kill(proc[0], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    _wait_gone(procs, 10)
+
+
+def _describe(procs) -> str:
+    return ", ".join(f"{pid} {_cmdline(pid)[:80]!r}" for pid, _ in sorted(procs)) or "none"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the embedded redis-server dies with its owner -------------------------------------------------
+
+OWNER = """
+import sys, threading, time
+from rollout_service.store.embedded import EmbeddedRedis
+
+server = EmbeddedRedis(sys.argv[1])
+if sys.argv[2] == "main":
+    server.start()
+else:  # a thread that ends right after: the server must outlive it, but not the process
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join()
+    time.sleep(0.5)
+print(server.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("started_from", ["main", "short-lived-thread"])
+def test_embedded_redis_server_dies_when_its_owner_is_sigkilled(tmp_path, started_from):
+    """No atexit runs on SIGKILL: the kernel's parent-death signal stops the server, cleanly. It
+    fires when the forking *thread* ends, so a server started from a thread that ends at once must
+    live on, and still die with the process."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path), started_from], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    server: Proc | None = None
+    try:
+        ready, _, _ = select.select([owner.stdout], [], [], 30)
+        assert ready, "the owner did not start a redis-server within 30 s"
+        server = _proc(int(owner.stdout.readline()))
+        assert server and _running(server) and "redis-server" in _cmdline(server[0])
+
+        owner.kill()
+        owner.wait(10)
+        assert _wait_gone([server], 5) == [], f"redis-server outlived its SIGKILLed owner: {_describe([server])}"
+        log = (tmp_path / "redis-server.log").read_text()
+        assert "Received SIGTERM" in log  # the clean shutdown: the AOF is flushed
+    finally:
+        owner.kill()
+        owner.wait(10)
+        if server:
+            _kill([server])
+
+
+# --- a driver of start_local_ray: SIGTERM, then shutdown_local_ray ---------------------------------
+
+RAY_DRIVER = """
+import os, signal, time
+import ray
+from rollout_service.runtime import shutdown_local_ray, start_local_ray
+
+start_local_ray(num_cpus=1)
+
+@ray.remote
+def spawn_strays():
+    import subprocess
+    # A child of the worker in a session of its own: the raylet's signal to the worker's group misses
+    # it; the worker kills it on a clean exit, not when it is SIGKILLed.
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True).pid
+    # An orphan already (its parent shell exits at once), writing into the worker's log as stderr:
+    # nothing in Ray stops it.
+    sh = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!"], start_new_session=True, stdout=subprocess.PIPE)
+    orphan = int(sh.stdout.readline())
+    sh.wait()
+    return [child, orphan]
+
+print("strays", *ray.get(spawn_strays.remote()), flush=True)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)
+except SystemExit:
+    pass
+time.sleep(3.5)
+print("alive 3.5 s after SIGTERM", flush=True)
+print("stopped by pid", *shutdown_local_ray(grace=2), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_driver_run(tmp_path_factory):
+    """One run of RAY_DRIVER (a Ray start is ~10 s here): (exit code, output, the strays)."""
+    driver = subprocess.Popen([sys.executable, "-c", RAY_DRIVER], cwd=tmp_path_factory.mktemp("driver"),
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    strays: list[Proc] = []
+    try:
+        ready, _, _ = select.select([driver.stdout], [], [], 120)
+        assert ready, "no Ray task result within 120 s"
+        line = driver.stdout.readline()
+        strays = [p for pid in line.split()[1:] if (p := _proc(int(pid)))]
+        assert line.startswith("strays") and len(strays) == 2 and all(_running(p) for p in strays), line
+        out, _ = driver.communicate(timeout=120)
+        yield driver.returncode, out, strays
+    finally:
+        driver.kill()
+        driver.wait(10)
+        _kill(strays)
+
+
+def test_sigterm_to_a_ray_driver_does_not_abort_it_3s_later(ray_driver_run):
+    """Ray's core worker puts Abseil's failure handler on SIGTERM in the driver, which aborts the
+    process 3 s after the signal, whatever it is doing then; ``start_local_ray`` takes SIGTERM back."""
+    returncode, out, _ = ray_driver_run
+    assert returncode == 0, f"the driver died with {returncode} (-6: SIGABRT): {out}"
+    assert "alive 3.5 s after SIGTERM" in out
+
+
+def test_shutdown_local_ray_stops_what_rays_own_shutdown_leaves_running(ray_driver_run):
+    """``ray.shutdown()`` can leave running what a worker started outside its process group, and
+    always leaves one already orphaned; ``shutdown_local_ray`` finds those by the process tree and
+    by the session's logs they write, and stops them by pid."""
+    _, out, (child, orphan) = ray_driver_run
+    stopped_by_pid = re.search(r"stopped by pid(.*)", out).group(1).split()
+    assert str(orphan[0]) in stopped_by_pid, out
+    assert not _running(child) and not _running(orphan)
+
+
+# --- up: SIGTERM, then a second signal while stopping ----------------------------------------------
+
+@pytest.mark.engine
+def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp_path):
+    """SIGTERM starts the orderly stop (Ray's driver used to abort 3 s into it, orphaning the
+    redis-server and the raylet's agents); a SIGINT 4 s later, mid-stop, cuts the engines' wind-down
+    short. Once ``up`` has exited, nothing it started is left: not one recorded descendant, not one
+    process of its Ray session."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "ROLLOUT_SERVICE_REDIS_URL")}
+    env.update(RAY_ENV)
+    env.update(LOCAL_ENGINE_ENV)
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen([str(Path(sys.executable).with_name("rollout-service")), "up", "--port", str(_free_port())],
+                              cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up_proc = _proc(up.pid)
+    recorded: set[Proc] = set()
+    ray_dir = None
+
+    def log_text() -> str:
+        return log_path.read_text(errors="replace")
+
+    try:
+        deadline = time.monotonic() + 240
+        while "rollout-service is up" not in log_text():
+            recorded |= _descendants(up.pid)  # so a failed start-up is cleaned up too
+            assert up.poll() is None, f"up exited with {up.returncode} before it was up:\n{log_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"up not up after 240 s:\n{log_text()[-4000:]}"
+            time.sleep(0.5)
+
+        recorded |= _descendants(up.pid)
+        names = [_cmdline(pid) for pid, _ in recorded]
+        redis_pid = int(re.search(r"embedded redis-server at \S+ \(pid (\d+)\)", log_text()).group(1))
+        assert redis_pid in {pid for pid, _ in recorded}
+        for expected in ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent"):
+            assert any(expected in n for n in names), f"no {expected} among {names}"
+        ray_dir = re.search(r"(/tmp/ray[^/\s]+)/session_", " ".join(names)).group(1)
+
+        up.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        time.sleep(4)  # past the 3 s after which Ray's failure handler used to abort the process
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+        up.wait(120)
+        print(f"up exited {time.monotonic() - t0:.1f}s after SIGTERM")
+
+        left = _wait_gone(recorded, 3)
+        session_left = _using(ray_dir)
+        assert (up.returncode, left, session_left) == (0, [], set()), (
+            f"up exited with {up.returncode}; still running: {_describe(left)}; "
+            f"of its Ray session: {_describe(session_left)}\n{log_text()[-3000:]}")
+    finally:
+        if up_proc and _running(up_proc):
+            recorded |= _descendants(up.pid)
+            _kill([up_proc])
+        up.wait(10)
+        _kill(recorded | (_using(ray_dir) if ray_dir else set()))
