@@ -169,15 +169,17 @@ def main(argv=None) -> int:
     from rollout_service.runtime import start_local_ray
 
     start_local_ray()
-    own = None
+    own = fleet = None
     try:
         controller = get_controller()
         print("using the running service's refit controller")
     except ValueError:
-        print("no running service: starting a controller + one engine on the tiny model")
-        own = controller = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(
-            RolloutServiceConfig().model_dump()
-        )
+        print("no running service: starting an engine fleet (one engine, the tiny model) and a controller")
+        from rollout_service.fleet.fleet import EngineFleet
+
+        config = RolloutServiceConfig().model_dump()
+        fleet = ray.remote(EngineFleet).options(num_cpus=0, max_concurrency=1000).remote(config)
+        own = controller = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(config, fleet)
     ray.get(controller.start.remote(), timeout=600)
     engines = ray.get(controller.get_engines.remote())
     model_path = ray.get(engines[0].tokenizer_path.remote())
@@ -199,9 +201,10 @@ def main(argv=None) -> int:
         ray.kill(trainer)
         if own is not None:
             try:
-                ray.get(own.shutdown.remote(), timeout=60)
+                ray.get(fleet.shutdown.remote(), timeout=60)  # the fleet owns the engines
             finally:
                 ray.kill(own)
+                ray.kill(fleet)
     return 0
 
 

@@ -62,6 +62,12 @@ async def test_killed_engine_loses_no_turn_and_comes_back_on_the_current_weights
     assert await rig.versions_by_slot() == {0: "death-1", 1: "death-1"}
     assert await rig.checksums_by_slot() == before
 
+    # New rollouts use the replacement (least loaded across the fleet), with exact trajectories.
+    fresh = [new_rid("after") for _ in range(4)]
+    finals = await asyncio.gather(*[run_rollout(rig.runner, rid, 1, stream=False, seed0=7 * i, log=[])
+                                    for i, rid in enumerate(fresh)])
+    assert {acked[0]["engine_index"] for acked in finals} == {0, 1}
+
     # A collective refit after the replacement: the trainer's group predates it, the client re-forms it.
     after = await asyncio.to_thread(rig.trainer.refit, "death-2", perturbed(base, seed=12))
     assert after["ok"] and sorted(after["engines"]) == [0, 1] and after["requests_aborted"] == 0

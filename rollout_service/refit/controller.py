@@ -43,6 +43,10 @@ CONTROLLER_NAMESPACE = "rollout-service"
 
 
 class RefitController:
+    # vLLM's worker methods that open / close an NCCL weight-update round (GPU only).
+    _NCCL_START = "start_weight_update"
+    _NCCL_FINISH = "finish_weight_update"
+
     def __init__(self, config: RolloutServiceConfig | dict, fleet=None):
         self.config = config if isinstance(config, RolloutServiceConfig) else RolloutServiceConfig.model_validate(config)
         self._fleet = fleet
@@ -457,7 +461,7 @@ class RefitController:
             engines = view.handles()
             await asyncio.wait_for(asyncio.gather(
                 *[e.pause.remote(mode="keep", clear_cache=self.config.refit.clear_cache) for e in engines]), timeout)
-            await self._nccl_fan_out(engines, "start_weight_update")
+            await self._nccl_fan_out(engines, self._NCCL_START)
         except BaseException:
             await self._nccl_release(reload=False)
             raise
@@ -482,7 +486,7 @@ class RefitController:
         engines = self._nccl_renew()
         committed = None
         try:
-            await self._nccl_fan_out(engines, "finish_weight_update")
+            await self._nccl_fan_out(engines, self._NCCL_FINISH)
             if version is not None:
                 await asyncio.wait_for(asyncio.gather(*[e.set_weight_version.remote(str(version)) for e in engines]),
                                        self.config.refit.step_timeout_s)
