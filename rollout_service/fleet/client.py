@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -45,7 +46,10 @@ class FleetClient:
         self.poll_s = poll_s
         self.pins: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self.outstanding: dict[tuple[int, int], int] = {}
-        self.lost: set[tuple[int, int]] = set()  # members seen failing, until the fleet's view drops them
+        # Members seen failing -> until when this process avoids them: the fleet's view drops a dead
+        # one within a probe round; one that was only unreachable for a moment comes back after.
+        self.lost: dict[tuple[int, int], float] = {}
+        self.avoid_lost_s = 10.0
         self._watch: asyncio.Task | None = None
 
     def __getstate__(self):
@@ -67,7 +71,8 @@ class FleetClient:
             logger.info("fleet epoch %d -> %d: %d engine(s) serving", self.view.epoch, view.epoch, len(view.members))
         self.view = view
         live = {m.key for m in view.members}
-        self.lost &= live
+        now = time.monotonic()
+        self.lost = {k: t for k, t in self.lost.items() if k in live and t > now}
 
     def start_watching(self) -> None:
         """Follow the fleet in the background in this process's event loop: a long poll that
@@ -94,7 +99,8 @@ class FleetClient:
     def members(self) -> tuple[Member, ...]:
         if self.view is None:
             return ()
-        return tuple(m for m in self.view.members if m.key not in self.lost)
+        now = time.monotonic()
+        return tuple(m for m in self.view.members if self.lost.get(m.key, 0.0) <= now)
 
     def pick(self, rollout_id: str | None) -> Member:
         """The rollout's pinned engine if it still serves, else the policy's choice (and pin it)."""
@@ -129,7 +135,7 @@ class FleetClient:
     def report_lost(self, member: Member, error: BaseException) -> None:
         """A call on ``member`` failed as if the engine were dead: stop routing to it here and tell
         the fleet, which checks it now instead of at its next probe."""
-        self.lost.add(member.key)
+        self.lost[member.key] = time.monotonic() + self.avoid_lost_s
         try:
             self.fleet.report_failure.remote(member.slot, member.generation, f"{type(error).__name__}: {error}"[:300],
                                              is_actor_dead(error))

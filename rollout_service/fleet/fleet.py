@@ -496,23 +496,33 @@ class EngineFleet:
 
     # ------------------------------------------------------------------ app watch
     async def _watch_apps(self) -> None:
-        """Stop when every Serve app that attached is gone (``serve delete``, ``serve shutdown``)."""
+        """Stop when every Serve app that attached is gone (``serve delete``, ``serve shutdown``).
+
+        Gone means: Serve answers and none of the apps is listed, or Serve's controller actor no
+        longer exists — for three checks in a row (~15 s). A controller that is only restarting
+        (it crashed; Ray restarts it) is not counted: losing every engine over a blip would be
+        far worse than a few seconds of delay after a real deletion."""
+        import ray
         from ray import serve
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
         missing = 0
         while True:
             await asyncio.sleep(5)
             try:
-                apps = set((await asyncio.to_thread(serve.status)).applications)
-                gone = bool(self._apps) and not (self._apps & apps)
-            except Exception:  # no Serve controller: Serve was shut down
-                gone = True
+                ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+            except ValueError:
+                gone = True  # serve shutdown
+            else:
+                try:
+                    apps = set((await asyncio.wait_for(asyncio.to_thread(serve.status), 30)).applications)
+                    gone = bool(self._apps) and not (self._apps & apps)
+                except Exception:  # Serve's controller restarting: not evidence of a deletion
+                    gone = False
             missing = missing + 1 if gone else 0
-            if missing >= 2:
+            if missing >= 3:
                 logger.warning("Serve app(s) %s deleted: stopping the engine fleet", sorted(self._apps))
                 await self.shutdown()
-                import ray
-
                 for actor in self._dependents:
                     try:
                         ray.kill(actor, no_restart=True)
