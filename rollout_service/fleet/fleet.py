@@ -112,10 +112,12 @@ class EngineFleet:
         self._startup_s: float | None = None
         self._closing = False
         self._refit_deadline = float("inf")
+        self._first_starts: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ life cycle
     async def start(self, wait: bool = True) -> float:
-        """Start every slot's engine (idempotent); with ``wait``, until every first start ended."""
+        """Start every slot's engine (idempotent); with ``wait``, until every *first* start ended
+        (later replacements are not waited for: a caller must not stall on a fault)."""
         async with self._start_lock:
             if not self._started:
                 self._started = True
@@ -123,15 +125,16 @@ class EngineFleet:
                 t0 = time.perf_counter()
                 for i in range(len(self.slots)):
                     self._launch(i, self.health.slots[i].generation)
+                self._first_starts = [s.task for s in self.slots]
                 self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
                 self._t0 = t0
         if wait:
-            await asyncio.gather(*[s.task for s in self.slots if s.task is not None], return_exceptions=True)
+            await asyncio.gather(*self._first_starts, return_exceptions=True)
             if self._startup_s is None:
                 self._startup_s = time.perf_counter() - self._t0
-            if not self.health.serving():
-                errors = "; ".join(f"slot {s.slot}: {s.last_error}" for s in self.health.slots)
-                raise RuntimeError(f"no engine could be started: {errors}")
+                if not self.health.serving():
+                    errors = "; ".join(f"slot {s.slot}: {s.last_error}" for s in self.health.slots)
+                    raise RuntimeError(f"no engine could be started (the fleet keeps retrying): {errors}")
         return self._startup_s or 0.0
 
     async def ensure_config(self, config: dict) -> list[str]:
@@ -173,10 +176,11 @@ class EngineFleet:
         self._dependents.append(actor)
 
     async def shutdown(self) -> None:
-        """Stop every engine and the monitor (the fleet actor itself stays until killed)."""
+        """Stop every engine and the monitor (the fleet actor itself stays until killed); a later
+        ``start`` begins afresh."""
         async with self._start_lock:
             await self._stop_engines()
-            self._started = False
+            self._init_state()
 
     async def _stop_engines(self) -> None:
         self._closing = True
@@ -249,6 +253,28 @@ class EngineFleet:
     async def revive(self, slot: int) -> None:
         """Operator: give a retired (crash-looping) slot a fresh replacement budget."""
         self.health.revive(slot)
+
+    async def fan_out(self, method: str, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> dict[int, Any]:
+        """Call an engine method (``pause``, ``resume``, ``collective_rpc``, ``set_weight_version``, ...)
+        on every serving engine: ``{slot: result}``. An engine that died on the way is declared dead
+        (and replaced) and answers ``{"error": ...}`` instead of failing the whole call.
+
+        The refit's own steps fan out over the members of its ``FleetView`` in the controller's
+        process (one hop less on every step of the stall); this is for every other control call."""
+        from rollout_service.fleet.client import is_actor_dead
+
+        view = self._view()
+
+        async def one(m: Member):
+            try:
+                return await asyncio.wait_for(getattr(m.handle, method).remote(*args, **kwargs), timeout_s)
+            except Exception as exc:
+                if is_actor_dead(exc):
+                    await self.report_failure(m.slot, m.generation, _short(exc), True)
+                return {"error": _short(exc)}
+
+        results = await asyncio.gather(*[one(m) for m in view.members])
+        return {m.slot: r for m, r in zip(view.members, results)}
 
     # ------------------------------------------------------------------ refit bracket
     async def begin_refit(self, lease_s: float = 3600.0) -> FleetView:

@@ -178,9 +178,12 @@ class RefitController:
 
     async def weights_checksums(self) -> list[str]:
         """sha256 of the loaded weights of every worker of every engine (diagnostics, tests)."""
-        view = await self._view()
-        out = await asyncio.gather(*[e.collective_rpc.remote("rs_weights_checksum") for e in view.handles()])
-        return [c for per_engine in out for c in per_engine]
+        await self.start()
+        out = await self.fleet.fan_out.remote("collective_rpc", "rs_weights_checksum")
+        failed = {slot: r["error"] for slot, r in out.items() if isinstance(r, dict)}
+        if failed:
+            raise RuntimeError(f"weights checksum failed on engine slot(s) {failed}")
+        return [c for slot in sorted(out) for c in out[slot]]
 
     # ----------------------------------------------------------------- weight sync
     async def weight_sync_world_size(self) -> int:
@@ -214,9 +217,7 @@ class RefitController:
 
     async def close_weight_sync(self) -> None:
         self._weight_sync = None
-        view = await self._view()
-        await asyncio.gather(*[e.collective_rpc.remote("rs_weight_sync_close") for e in view.handles()],
-                             return_exceptions=True)
+        await self.fleet.fan_out.remote("collective_rpc", "rs_weight_sync_close")
 
     async def check_weight_sync(self) -> None:
         """Raise WeightSyncNotInitialized if the group no longer matches the serving engines (the
