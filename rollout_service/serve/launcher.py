@@ -108,20 +108,16 @@ class LocalService:
                     serve.delete(APP_NAME)
                 except Exception:
                     pass
-            if self.controller is not None and ray.is_initialized():
-                try:
-                    ray.get(self.controller.shutdown.remote(), timeout=60)
-                except Exception:
-                    pass
-                ray.kill(self.controller)
-                self.controller = None
-            if self.fleet is not None and ray.is_initialized():  # the fleet owns (and stops) the engines
-                try:
-                    ray.get(self.fleet.shutdown.remote(), timeout=60)
-                except Exception:
-                    pass
-                ray.kill(self.fleet)
-                self.fleet = None
+            # The controller first (no refit may start), then the fleet, which owns and stops the engines.
+            for attr in ("controller", "fleet"):
+                actor = getattr(self, attr)
+                if actor is not None and ray.is_initialized():
+                    try:
+                        ray.get(actor.shutdown.remote(), timeout=60)
+                    except Exception:
+                        pass
+                    ray.kill(actor)
+                    setattr(self, attr, None)
         finally:
             if self.redis is not None:
                 self.redis.stop()
