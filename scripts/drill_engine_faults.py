@@ -105,7 +105,8 @@ class Drill:
         view = await self.view()
         n = len(view.members)
         stats = {"calls": 0, "failed": 0}
-        rids = [f"drill-{name}-{uuid.uuid4().hex[:6]}-{i}" for i in range(self.rollouts)]
+        slug = "".join(c if c.isalnum() else "-" for c in name)
+        rids = [f"drill-{slug}-{uuid.uuid4().hex[:6]}-{i}" for i in range(self.rollouts)]
         tasks = [asyncio.create_task(self.agent(rid, 1000 * i, stats)) for i, rid in enumerate(rids)]
         await asyncio.sleep(1.0)  # calls in flight on every engine
         t_fault, victims = await fault()

@@ -52,3 +52,29 @@ async def test_engine_killed_mid_transfer_fails_the_refit_cleanly(fleet_rig, tin
     sums = await rig.checksums_by_slot()
     assert sums[0] == sums[1] != checksums[0]
     assert await rig.versions_by_slot() == {0: "after-the-fault", 1: "after-the-fault"}
+
+
+async def test_refit_while_an_engine_is_down_proceeds_and_the_replacement_joins_on_the_new_version(
+    fleet_rig, tiny_model_dir
+):
+    rig = fleet_rig
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    await rig.wait_serving(2)
+    pids = await rig.member_pids()
+    victim = 0
+    kill_pid(pids[victim])
+    await rig.wait_not_serving(victim)
+    report = await asyncio.to_thread(rig.trainer.refit, "while-down", perturbed(base, seed=41),
+                                     transport="object_store")
+    assert report["ok"] and report["engines"] == [1 - victim]  # over the live engine only
+    survivor = (await rig.checksums_by_slot())[1 - victim]
+    # The replacement may not serve before it holds "while-down": at no point two versions.
+    t0 = asyncio.get_running_loop().time()
+    while True:
+        versions = await rig.versions_by_slot()
+        assert set(versions.values()) == {"while-down"}, versions
+        if len(versions) == 2:
+            break
+        assert asyncio.get_running_loop().time() - t0 < 300, "replacement never joined"
+        await asyncio.sleep(0.2)
+    assert await rig.checksums_by_slot() == {0: survivor, 1: survivor}
