@@ -112,6 +112,7 @@ class Drill:
         t_fault, victims = await fault()
         await self.wait(lambda: self._out(victims), timeout=120)
         detect_s = time.monotonic() - t_fault
+        health_during = 200 if await self.health_ok() else 503  # all engines lost: 503
         results = await asyncio.gather(*tasks)
 
         async def healed():
@@ -123,6 +124,7 @@ class Drill:
         lost = sum([await self.lost_turns(rid, acked) for rid, acked in zip(rids, results)])
         outage = (stats["last_fail"] - stats["first_fail"]) if stats.get("first_fail") else 0.0
         return {"fault": name, "detect_s": detect_s, "heal_s": heal_s, "calls": stats["calls"],
+                "health_during": health_during,
                 "failed": stats["failed"], "failing_window_s": outage,
                 "acked": self.rollouts * self.turns, "lost": lost}
 
@@ -184,11 +186,12 @@ def main() -> int:
     rows = asyncio.run(drill(args))
     print(f"\n{args.rollouts} rollouts x {args.turns} turns per fault, 2 engines (tiny model, CPU); fleet: {FLEET}\n")
     print("| fault | detected (s) | healed (s) | calls | failed (503) | failing window (s) | acked turns | lost "
-          "| /health after |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| /health during | /health after |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['fault']} | {r['detect_s']:.1f} | {r['heal_s']:.1f} | {r['calls']} | {r['failed']} | "
-              f"{r['failing_window_s']:.1f} | {r['acked']} | {r['lost']} | {200 if r['health_ok'] else 503} |")
+              f"{r['failing_window_s']:.1f} | {r['acked']} | {r['lost']} | {r['health_during']} | "
+              f"{200 if r['health_ok'] else 503} |")
     return 0 if all(r["lost"] == 0 for r in rows) else 1
 
 

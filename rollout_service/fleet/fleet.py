@@ -184,6 +184,8 @@ class EngineFleet:
 
     async def _stop_engines(self) -> None:
         self._closing = True
+        if self.weights.exporting is not None:
+            self.weights.exporting.cancel()
         if self._monitor is not None:
             self._monitor.cancel()
             self._monitor = None
@@ -209,8 +211,6 @@ class EngineFleet:
                     pass
 
         await asyncio.gather(*[stop(s) for s in self.slots])
-        if self.weights.exporting is not None:
-            self.weights.exporting.cancel()
         async with self._changed:
             self._changed.notify_all()
 
