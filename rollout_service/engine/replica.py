@@ -67,6 +67,7 @@ class EngineReplica:
         self._in_flight: dict[str, int] = {}
         self._in_flight_started_on: dict[str, str] = {}  # request id -> weight version at its start
         self._num_aborted = 0  # generations that ended with finish_reason "abort"
+        self._paused = False  # as last set by pause / resume (health must not ask the busy engine core)
         self._startup_s: float | None = None
         self._start_lock = asyncio.Lock()
 
@@ -234,11 +235,13 @@ class EngineReplica:
             await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
         else:  # pragma: no cover - other vLLM versions
             await llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        self._paused = True
         return time.perf_counter() - t0
 
     async def resume(self) -> float:
         t0 = time.perf_counter()
         await self._engine().resume_generation()
+        self._paused = False
         return time.perf_counter() - t0
 
     async def is_paused(self) -> bool:
@@ -291,14 +294,20 @@ class EngineReplica:
         return version, weights
 
     async def health(self) -> dict[str, Any]:
-        """Cheap liveness + state summary; raises EngineUnavailable if the engine is gone."""
+        """Cheap liveness + state summary; raises EngineUnavailable if the engine is gone.
+
+        Answered by this actor alone, never by a round trip to vLLM's engine core: the core
+        serves utility calls between steps, so during a long ``collective_rpc`` (a weight load, an
+        export) it would not answer, and the fleet would take a busy engine for a hung one. A
+        crashed core shows up as ``errored`` (vLLM's own detection); a process that stops answering
+        at all (SIGSTOP, a wedged actor) is what the fleet's probe timeout catches."""
         llm = self._engine()
         if getattr(llm, "errored", False):
             raise EngineUnavailable(f"engine {self.index} errored: {getattr(llm, 'dead_error', '')}")
         return {
             "index": self.index,
             "ready": True,
-            "paused": await llm.is_paused(),
+            "paused": self._paused,
             "weight_version": self._version,
             "in_flight": len(self._in_flight),
             "startup_s": self._startup_s,
