@@ -60,6 +60,13 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
         fleet = get_fleet(fleet_name(APP))
         assert ray.get(fleet.engine_config.remote())["max_num_seqs"] == 16
         old_pids = _engine_pids(fleet)
+        # A trainer attaching to an app deployed without `up` (serve run / serve deploy): the
+        # controller is created from the running fleet's config, and dies with the fleet.
+        from rollout_service.refit.controller import controller_name, get_controller
+
+        controller = get_controller(controller_name(APP))
+        stats = ray.get(controller.stats.remote(), timeout=120)
+        assert stats["num_engines"] == 1 and stats["fleet"]["apps"] == [APP]
 
         t0 = time.monotonic()
         serve.run(build_app(config(8)), name=APP, route_prefix=f"/{APP}")  # the redeploy
@@ -87,6 +94,8 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
             break
         assert time.monotonic() - t0 < 60, "the fleet outlived its app"
         time.sleep(0.5)
+    with pytest.raises(ValueError):
+        ray.get_actor(controller_name(APP), namespace="rollout-service")  # killed with its fleet
     deadline = time.monotonic() + 30
     while not all(_gone(p) for p in new_pids):
         assert time.monotonic() < deadline, "engines outlived the deleted app"
