@@ -9,6 +9,8 @@ import httpx
 import pytest
 import ray
 
+from fleet_helpers import process_gone
+
 pytestmark = pytest.mark.serve
 
 APP = "cfgtest"
@@ -29,14 +31,6 @@ def _wait_healthy(url: str, timeout: float = 300) -> None:
 def _engine_pids(fleet) -> list[int]:
     view = ray.get(fleet.view.remote())
     return [ray.get(m.handle.health.remote())["pid"] for m in view.members]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(service, redis_server, tiny_model_dir):
@@ -78,7 +72,7 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
         print(f"redeploy with a new engine config -> healthy on new engines: {time.monotonic() - t0:.1f}s")
         new_pids = _engine_pids(fleet)
         assert new_pids and not set(new_pids) & set(old_pids)
-        assert all(_gone(p) for p in old_pids), "old engines still running"
+        assert all(process_gone(p) for p in old_pids), "old engines still running"
         # The new engines really run the new config.
         r = httpx.post(f"{service.url}/{APP}/v1/chat/completions", timeout=120, json={
             "model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -97,7 +91,7 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
     with pytest.raises(ValueError):
         ray.get_actor(controller_name(APP), namespace="rollout-service")  # killed with its fleet
     deadline = time.monotonic() + 30
-    while not all(_gone(p) for p in new_pids):
+    while not all(process_gone(p) for p in new_pids):
         assert time.monotonic() < deadline, "engines outlived the deleted app"
         time.sleep(0.5)
     print(f"app deleted -> fleet and engines gone: {time.monotonic() - t0:.1f}s")
