@@ -307,7 +307,7 @@ class TurnRunner:
         call continues from its stored tokens on a live engine. Streaming calls get the engine's
         chunks as they come; a non-streaming call is one actor round trip (``generate_all``).
         """
-        attempts = 1 + max(1, len(self.fleet.members()) - 1)
+        attempts = max(2, len(self.fleet.members()))  # each live engine once; at least one retry
         for attempt in range(attempts):
             try:
                 member = self.fleet.pick(rollout_id)
