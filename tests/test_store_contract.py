@@ -249,3 +249,51 @@ async def test_empty_turn_is_a_valid_append(store):
 
 async def test_ping(store):
     assert await store.ping() is True
+
+
+async def test_load_if_changed_answers_unchanged_only_for_the_stored_turn(store):
+    from rollout_service.store.base import UNCHANGED
+
+    assert await store.load_if_changed("r", 0) is None
+    deltas, expected = synthetic_rollout(random.Random(12), [2, 1])
+    await commit_all(store, "r", deltas)
+    current = await store.load("r")
+    assert current.incarnation
+    assert await store.load_if_changed("r", 3) is UNCHANGED
+    assert await store.load_if_changed("r", 3, known_incarnation=current.incarnation) is UNCHANGED
+    for stale in (0, 2, 4):
+        got = await store.load_if_changed("r", stale)
+        assert got == named(expected, "r") and got.incarnation == current.incarnation
+    assert await store.load_if_changed("r", 3, known_incarnation="0" * 16) == named(expected, "r")
+    assert await store.load_if_changed("nope", 3) is None
+
+
+async def test_a_recreated_rollout_has_a_new_incarnation_even_at_the_same_turn(store):
+    from rollout_service.store.base import UNCHANGED
+
+    deltas, expected = synthetic_rollout(random.Random(13), [2])
+    await commit_all(store, "r", deltas)
+    first = await store.load("r")
+    await store.append_turn("r", synthetic_delta(random.Random(1), turn=3, segment_index=0, new_segment=False,
+                                                 segment_len=len(first.segments[0].token_ids)), expected_turn=2)
+    assert (await store.load("r")).incarnation == first.incarnation  # appends keep it
+    await store.delete("r")
+    other, other_expected = synthetic_rollout(random.Random(14), [2])
+    await commit_all(store, "r", other)
+    again = await store.load("r")
+    assert again.turn == first.turn and again.incarnation != first.incarnation
+    # Same turn counter, different rollout: the counter alone would call a stale copy current.
+    assert await store.load_if_changed("r", 2) is UNCHANGED
+    assert await store.load_if_changed("r", 2, known_incarnation=first.incarnation) == named(other_expected, "r")
+
+
+async def test_replay_fields_of_a_turn_record_round_trip(store):
+    d = synthetic_delta(random.Random(0), turn=1, segment_index=0, new_segment=True, segment_len=0)
+    answer = {"message": {"role": "assistant", "content": "ü", "reasoning_content": None,
+                          "tool_calls": [{"id": "call_x1", "type": "function",
+                                          "function": {"name": "search", "arguments": "{\"q\": \"x\"}"}}]},
+              "stop_reason": 151645}
+    d.record.request_digest, d.record.idempotency_key, d.record.answer = "sha256:ab", "key-1", answer
+    await store.append_turn("r", d, expected_turn=0)
+    rec = (await store.load("r")).segments[0].turns[0]
+    assert (rec.request_digest, rec.idempotency_key, rec.answer) == ("sha256:ab", "key-1", answer)

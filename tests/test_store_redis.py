@@ -90,7 +90,10 @@ async def test_stored_keys_are_exactly_the_documented_layout(store):
     await commit_all(store, "r", deltas)
     found = await scan_keys(store.client, store.key_pattern("r"))
     assert [k.decode() for k in found] == sorted(store.keys_for("r", 2))
-    assert await store.client.hgetall(store.meta_key("r")) == {b"turn": b"3", b"nseg": b"2", b"v": b"1"}
+    meta = await store.client.hgetall(store.meta_key("r"))
+    born = meta.pop(b"born")
+    assert meta == {b"turn": b"3", b"nseg": b"2", b"v": b"1"}
+    assert len(born) == 16 and born.decode() == (await store.load("r")).incarnation
 
 
 async def test_delete_frees_every_key(store):

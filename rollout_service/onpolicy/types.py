@@ -9,7 +9,7 @@ its number of turns.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -33,15 +33,33 @@ class TurnRecord:
     finish_reason: str
     monotonic: bool
     weight_versions: list[WeightSpan] = field(default_factory=list)
+    # What a retried call needs to be answered from the store instead of generating again (see
+    # ``onpolicy/replay.py``). All optional: records written before they existed, and calls that do
+    # not carry them (stateless mode), decode with None.
+    request_digest: str | None = None  # the data plane's digest of the request; opaque here
+    idempotency_key: str | None = None  # the client's Idempotency-Key, when it sent one
+    answer: dict[str, Any] | None = None  # {"message": <assistant message as returned>, "stop_reason": ...}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready; optional fields that are None are left out, so a record without replay data
+        stays byte-identical to the records written before those fields existed."""
+        d = asdict(self)
+        for name in _OPTIONAL_RECORD_FIELDS:
+            if d[name] is None:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TurnRecord":
-        d = dict(d)
+        """Keys this version does not know are ignored: during a rolling deploy, a replica running
+        older code must still load a rollout a newer replica has appended to."""
+        d = {k: v for k, v in d.items() if k in _RECORD_FIELDS}
         d["weight_versions"] = [WeightSpan(**w) for w in d.get("weight_versions", [])]
         return cls(**d)
+
+
+_RECORD_FIELDS = frozenset(f.name for f in fields(TurnRecord))
+_OPTIONAL_RECORD_FIELDS = ("request_digest", "idempotency_key", "answer")
 
 
 @dataclass
@@ -65,6 +83,11 @@ class RolloutState:
     # were edited before the last echoed call (a HistoryConflict as a dict). ``build_prompt``
     # treats it as a non-monotonic request under the configured policy.
     pending_conflict: dict[str, Any] | None = None
+    # Transient, set by the store on load: which lifetime of ``rollout_id`` this snapshot belongs to
+    # (a rollout deleted or expired and then created again under the same id gets a new one). A
+    # cache validates by (turn, incarnation): the turn counter alone cannot tell a recreated rollout
+    # that has reached the same turn from the one it holds. Not part of equality.
+    incarnation: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def current(self) -> Segment | None:

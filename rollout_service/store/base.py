@@ -12,8 +12,9 @@ Exceptions carry no Redis types, so the HTTP layer maps them without importing t
 
 from __future__ import annotations
 
+import enum
 import re
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from rollout_service.onpolicy.types import RolloutState, TurnDelta
 
@@ -65,6 +66,18 @@ class StoreUnavailable(StoreError):
     """The backend cannot be reached (the HTTP layer answers 503; the request may be retried)."""
 
 
+class _Unchanged(enum.Enum):
+    UNCHANGED = "unchanged"
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED = _Unchanged.UNCHANGED
+"""``load_if_changed``'s answer when the caller's copy is current (compare with ``is``)."""
+Unchanged = Literal[_Unchanged.UNCHANGED]
+
+
 def validate_rollout_id(rollout_id: object) -> str:
     if not isinstance(rollout_id, str):
         raise InvalidRolloutId(rollout_id, "must be a string")
@@ -88,7 +101,22 @@ class RolloutStore(Protocol):
     """
 
     async def load(self, rollout_id: str) -> RolloutState | None:
-        """The whole rollout as one consistent snapshot, or None if unknown (or expired)."""
+        """The whole rollout as one consistent snapshot, or None if unknown (or expired).
+
+        The snapshot's ``incarnation`` names this lifetime of the rollout id (new after a delete or
+        an expiry); None for a rollout stored before incarnations existed."""
+        ...
+
+    async def load_if_changed(
+        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None
+    ) -> RolloutState | None | Unchanged:
+        """``UNCHANGED`` if the stored turn counter is ``known_turn`` (and, when given, the rollout's
+        incarnation is ``known_incarnation``), else the whole snapshot as ``load`` returns it, or
+        None if unknown. One atomic step: the check and the snapshot see the same turn, and an
+        unchanged rollout costs O(1), not O(history). A cache of loaded states (see
+        ``store.cache``) revalidates with it; the incarnation guards against a rollout deleted
+        and recreated to the same turn behind the cache's back.
+        """
         ...
 
     async def append_turn(self, rollout_id: str, delta: TurnDelta, *, expected_turn: int) -> None:

@@ -123,5 +123,28 @@ def decode_segment(enc: EncodedSegment) -> Segment:
     )
 
 
-def decode_state(rollout_id: str, turn: int, segments: Iterable[EncodedSegment]) -> RolloutState:
-    return RolloutState(rollout_id=rollout_id, turn=turn, segments=[decode_segment(s) for s in segments])
+def decode_state(
+    rollout_id: str, turn: int, segments: Iterable[EncodedSegment], *, incarnation: str | None = None
+) -> RolloutState:
+    return RolloutState(
+        rollout_id=rollout_id, turn=turn, segments=[decode_segment(s) for s in segments], incarnation=incarnation or None
+    )
+
+
+def decode_delta(enc: EncodedDelta) -> TurnDelta:
+    """The delta exactly as a later load will show it: float32 logprobs, JSON-normalised record,
+    messages and render context, and no object shared with the delta it was encoded from.
+
+    Applying it to a loaded state gives the state a reload would return (what a cache of loaded
+    states relies on to skip the reload)."""
+    return TurnDelta(
+        turn=enc.turn,
+        segment_index=enc.segment_index,
+        new_segment=enc.new_segment,
+        token_ids=np.frombuffer(enc.ids, dtype=IDS_DTYPE).tolist(),
+        loss_mask=np.frombuffer(enc.mask, dtype=MASK_DTYPE).tolist(),
+        logprobs=np.frombuffer(enc.logprobs, dtype=LOGPROBS_DTYPE).tolist(),
+        record=TurnRecord.from_dict(json.loads(enc.record)),
+        new_messages=_json_list(enc.messages),
+        render_context=json.loads(enc.render_context),
+    )

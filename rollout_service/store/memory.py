@@ -7,12 +7,13 @@ production backend.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from rollout_service.onpolicy.types import RolloutState
-from rollout_service.store.base import TurnConflict, validate_rollout_id
+from rollout_service.store.base import UNCHANGED, TurnConflict, Unchanged, validate_rollout_id
 from rollout_service.store.codec import EncodedSegment, check_segment_index, decode_state, encode_delta
 
 
@@ -21,6 +22,7 @@ class _Entry:
     turn: int = 0
     segments: list[EncodedSegment] = field(default_factory=list)
     expires_at: float = 0.0
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(8))
 
 
 class MemoryRolloutStore:
@@ -44,7 +46,18 @@ class MemoryRolloutStore:
         entry = self._live(rollout_id)
         if entry is None:
             return None
-        return decode_state(rollout_id, entry.turn, entry.segments)
+        return decode_state(rollout_id, entry.turn, entry.segments, incarnation=entry.incarnation)
+
+    async def load_if_changed(
+        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None
+    ) -> RolloutState | None | Unchanged:
+        validate_rollout_id(rollout_id)
+        entry = self._live(rollout_id)
+        if entry is None:
+            return None
+        if entry.turn == known_turn and known_incarnation in (None, entry.incarnation):
+            return UNCHANGED
+        return decode_state(rollout_id, entry.turn, entry.segments, incarnation=entry.incarnation)
 
     async def append_turn(self, rollout_id: str, delta, *, expected_turn: int) -> None:
         validate_rollout_id(rollout_id)

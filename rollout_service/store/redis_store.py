@@ -3,7 +3,8 @@
 Key layout of rollout ``R`` under prefix ``P`` (every key carries the hash tag ``{R}``, so one rollout
 lives in one cluster slot and each Lua script touches a single slot)::
 
-    P:{R}:meta          hash   turn (completed calls), nseg (segments), v (layout version)
+    P:{R}:meta          hash   turn (completed calls), nseg (segments), v (layout version),
+                               born (incarnation: random, set when the rollout is created)
     P:{R}:s<i>:ids      string token ids of segment i, packed little-endian int32, APPENDed per turn
     P:{R}:s<i>:lp       string logprobs, little-endian float32, APPENDed per turn
     P:{R}:s<i>:mask     string loss mask, uint8, APPENDed per turn
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 from typing import Any, AsyncIterator
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -35,10 +37,12 @@ from redis import exceptions as rexc
 from rollout_service.config import StoreConfig
 from rollout_service.onpolicy.types import RolloutState, TurnDelta
 from rollout_service.store.base import (
+    UNCHANGED,
     InvalidTurnDelta,
     StoreError,
     StoreUnavailable,
     TurnConflict,
+    Unchanged,
     validate_rollout_id,
 )
 from rollout_service.store.codec import EncodedSegment, decode_state, encode_delta
@@ -64,7 +68,8 @@ local function expire_all(nseg, ms)
 end
 """
 
-# ARGV: expected_turn, new_turn, segment_index, new_segment (0/1), ttl_ms, ids, lp, mask, record, ctx, msgs...
+# ARGV: expected_turn, new_turn, segment_index, new_segment (0/1), ttl_ms, ids, lp, mask, record, ctx,
+#       incarnation (stored only when this append creates the rollout), msgs...
 # Returns {1, nseg} on success, {0, stored_turn} on a turn conflict, {-1, nseg} on a bad segment index.
 # Every check happens before the first write, so a refused append leaves no trace.
 _LUA_APPEND = _LUA_KEYS + """
@@ -83,7 +88,8 @@ redis.call('APPEND', p .. 'lp', ARGV[7])
 redis.call('APPEND', p .. 'mask', ARGV[8])
 redis.call('RPUSH', p .. 'turns', ARGV[9])
 redis.call('SET', p .. 'ctx', ARGV[10])
-local i = 11
+if stored == 0 then redis.call('HSET', meta, 'born', ARGV[11]) end
+local i = 12
 while i <= #ARGV do
   local j = math.min(i + %d - 1, #ARGV)
   redis.call('RPUSH', p .. 'msgs', unpack(ARGV, i, j))
@@ -95,22 +101,39 @@ expire_all(nseg, tonumber(ARGV[5]))
 return {1, nseg}
 """ % (_MSGS_PER_RPUSH, LAYOUT_VERSION)
 
-# Returns false for an unknown rollout, else {turn, nseg, then per segment: ids, lp, mask, ctx, turns[], msgs[]}.
-_LUA_LOAD = _LUA_KEYS + """
-local m = redis.call('HMGET', meta, 'turn', 'nseg')
-if not m[1] then return false end
-local nseg = tonumber(m[2] or '0')
-local out = {m[1], m[2] or '0'}
-for i = 0, nseg - 1 do
-  local p = seg_prefix(i)
-  out[#out + 1] = redis.call('GET', p .. 'ids') or ''
-  out[#out + 1] = redis.call('GET', p .. 'lp') or ''
-  out[#out + 1] = redis.call('GET', p .. 'mask') or ''
-  out[#out + 1] = redis.call('GET', p .. 'ctx') or ''
-  out[#out + 1] = redis.call('LRANGE', p .. 'turns', 0, -1)
-  out[#out + 1] = redis.call('LRANGE', p .. 'msgs', 0, -1)
+# snapshot(m) for m = HMGET(meta, turn, nseg, born):
+# {turn, nseg, born, then per segment: ids, lp, mask, ctx, turns[], msgs[]}.
+_LUA_SNAPSHOT = """
+local function snapshot(m)
+  local nseg = tonumber(m[2] or '0')
+  local out = {m[1], m[2] or '0', m[3] or ''}
+  for i = 0, nseg - 1 do
+    local p = seg_prefix(i)
+    out[#out + 1] = redis.call('GET', p .. 'ids') or ''
+    out[#out + 1] = redis.call('GET', p .. 'lp') or ''
+    out[#out + 1] = redis.call('GET', p .. 'mask') or ''
+    out[#out + 1] = redis.call('GET', p .. 'ctx') or ''
+    out[#out + 1] = redis.call('LRANGE', p .. 'turns', 0, -1)
+    out[#out + 1] = redis.call('LRANGE', p .. 'msgs', 0, -1)
+  end
+  return out
 end
-return out
+"""
+
+# Returns false for an unknown rollout, else the snapshot.
+_LUA_LOAD = _LUA_KEYS + _LUA_SNAPSHOT + """
+local m = redis.call('HMGET', meta, 'turn', 'nseg', 'born')
+if not m[1] then return false end
+return snapshot(m)
+"""
+
+# ARGV: known_turn, known incarnation ('' = not checked). Returns false for an unknown rollout, {turn}
+# when the caller's copy is current (O(1): no history leaves the server), else the snapshot.
+_LUA_LOAD_IF_CHANGED = _LUA_KEYS + _LUA_SNAPSHOT + """
+local m = redis.call('HMGET', meta, 'turn', 'nseg', 'born')
+if not m[1] then return false end
+if tonumber(m[1]) == tonumber(ARGV[1]) and (ARGV[2] == '' or (m[3] or '') == ARGV[2]) then return {m[1]} end
+return snapshot(m)
 """
 
 # Returns the number of keys removed (0: unknown rollout).
@@ -131,6 +154,18 @@ if not nseg then return 0 end
 expire_all(tonumber(nseg), tonumber(ARGV[1]))
 return 1
 """
+
+def _decode_snapshot(rollout_id: str, reply: Any) -> RolloutState | None:
+    """The reply of ``snapshot()`` in the Lua scripts (false/None for an unknown rollout)."""
+    if not reply:
+        return None
+    turn, nseg, incarnation = int(reply[0]), int(reply[1]), reply[2].decode()
+    segments = []
+    for i in range(nseg):
+        ids, lp, mask, ctx, turns, msgs = reply[3 + 6 * i : 9 + 6 * i]
+        segments.append(EncodedSegment(ids=ids, logprobs=lp, mask=mask, render_context=ctx, turns=turns, messages=msgs))
+    return decode_state(rollout_id, turn, segments, incarnation=incarnation)
+
 
 _UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError, rexc.BusyLoadingError)
 
@@ -179,6 +214,7 @@ class RedisRolloutStore:
         self._owns_client = owns_client
         self._append = client.register_script(_LUA_APPEND)
         self._load = client.register_script(_LUA_LOAD)
+        self._load_if_changed = client.register_script(_LUA_LOAD_IF_CHANGED)
         self._delete = client.register_script(_LUA_DELETE)
         self._touch = client.register_script(_LUA_TOUCH)
 
@@ -237,14 +273,17 @@ class RedisRolloutStore:
         meta = self.meta_key(rollout_id)
         async with self._translate():
             reply = await self._load(keys=[meta])
-        if not reply:
-            return None
-        turn, nseg = int(reply[0]), int(reply[1])
-        segments = []
-        for i in range(nseg):
-            ids, lp, mask, ctx, turns, msgs = reply[2 + 6 * i : 8 + 6 * i]
-            segments.append(EncodedSegment(ids=ids, logprobs=lp, mask=mask, render_context=ctx, turns=turns, messages=msgs))
-        return decode_state(rollout_id, turn, segments)
+        return _decode_snapshot(rollout_id, reply)
+
+    async def load_if_changed(
+        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None
+    ) -> RolloutState | None | Unchanged:
+        meta = self.meta_key(rollout_id)
+        async with self._translate():
+            reply = await self._load_if_changed(keys=[meta], args=[int(known_turn), known_incarnation or ""])
+        if reply and len(reply) == 1:
+            return UNCHANGED
+        return _decode_snapshot(rollout_id, reply)
 
     async def append_turn(self, rollout_id: str, delta: TurnDelta, *, expected_turn: int) -> None:
         meta = self.meta_key(rollout_id)
@@ -260,6 +299,7 @@ class RedisRolloutStore:
             enc.mask,
             enc.record,
             enc.render_context,
+            secrets.token_hex(8) if expected_turn == 0 else "",
             *enc.messages,
         ]
         async with self._translate():
