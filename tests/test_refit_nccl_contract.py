@@ -3,8 +3,10 @@
 These check, against vLLM's own classes, that the names and call shapes our NCCL path relies on
 exist: the trainer-side engine accepts our init info, client and weight source; our controller
 client covers vLLM's weight-sync client protocol; the worker methods the controller fans out to
-exist on vLLM's worker; and vLLM's own per-tensor check accepts our state-dict source. The failure
-path of the controller's NCCL round runs on a real engine in tests/test_refit.py.
+exist on vLLM's worker; vLLM's own per-tensor check accepts our state-dict source; ``refit.backend:
+nccl`` starts the engines with vLLM's NCCL weight-transfer engine; every engine's workers get ranks
+of their own. The client / controller handshake and round run on a real CPU engine, short of the
+NCCL calls, in tests/test_refit_nccl_lease.py; a round refused by the worker in tests/test_refit.py.
 """
 
 from __future__ import annotations
@@ -85,3 +87,52 @@ def test_vllms_per_tensor_check_accepts_the_state_dict_source_and_catches_a_mism
     assert [n for n, _ in source] == ["a.weight", "b.bias"]
     with pytest.raises(ValueError):
         list(vllm_wt.NCCLTrainerWeightTransferEngine._checked_iter(source, meta[:1]))
+
+
+def test_refit_backend_nccl_starts_the_engines_with_vllms_nccl_weight_transfer():
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.engine.replica import EngineReplica
+
+    gpu = {"model": "/models/x", "device": "cuda", "tensor_parallel_size": 2}
+    nccl = RolloutServiceConfig.model_validate({"engine": gpu, "refit": {"backend": "nccl"}})
+    args = EngineReplica(nccl.engine).engine_args()
+    assert args.weight_transfer_config == WeightTransferConfig(backend="nccl")
+    # What each worker builds from it when it loads the model (vLLM's Worker.load_model): the dense NCCL engine.
+    assert WeightTransferEngineFactory._registry["nccl"]() is vllm_wt.NCCLWeightTransferEngine
+    # The engine section travels as a dict (Serve args, the fleet's redeploy check): the setting survives it.
+    assert RolloutServiceConfig.model_validate(nccl.model_dump()).engine == nccl.engine
+    gloo = RolloutServiceConfig.model_validate({"engine": gpu})
+    assert EngineReplica(gloo.engine).engine_args().weight_transfer_config is None
+
+
+def test_nccl_refit_config_is_refused_where_it_cannot_run():
+    from pydantic import ValidationError
+
+    from rollout_service.config import RolloutServiceConfig
+
+    with pytest.raises(ValidationError, match="needs engine.device cuda"):
+        RolloutServiceConfig.model_validate({"refit": {"backend": "nccl"}})
+    with pytest.raises(ValidationError, match="follows refit.backend"):
+        RolloutServiceConfig.model_validate({"engine": {"device": "cuda", "weight_transfer_backend": "nccl"}})
+
+
+def test_each_engine_gets_its_own_nccl_ranks():
+    """Our engines are separate vLLM instances, each ranking its workers from its own rank_offset
+    (vLLM's worker_init_process_group: data-parallel index 0, rank within the engine + offset); one
+    shared offset would give every engine the same ranks. 3 engines x TP 2: ranks 1..6, trainer 0."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+    from rollout_service.refit.controller import nccl_worker_init_infos
+    from rollout_service.refit.types import WeightSyncNotInitialized
+
+    sent = worker_init_payload(NCCLWeightTransferInitInfo(master_address="10.0.0.1", master_port=29500,
+                                                          rank_offset=1, world_size=7, packed=True))
+    infos = [vllm_wt.NCCLWeightTransferEngine.init_info_cls(**i) for i in nccl_worker_init_infos(sent, 3, 2)]
+    ranks = [info.rank_offset + rank_in_engine for info in infos for rank_in_engine in range(2)]
+    assert ranks == [1, 2, 3, 4, 5, 6]
+    assert {(i.master_address, i.master_port, i.world_size, i.packed) for i in infos} == {("10.0.0.1", 29500, 7, True)}
+    with pytest.raises(WeightSyncNotInitialized, match="world size 7"):
+        nccl_worker_init_infos(sent, 2, 2)  # an engine was lost since the trainer asked for the world size

@@ -1,9 +1,18 @@
-"""A trainer that dies in the middle of an NCCL weight-update round leaves no engine paused: the
-round runs under a lease the trainer renews with every call; when it runs out, every engine
-reloads its last committed weights and resumes, the lock and the fleet's refit bracket are released.
+"""The NCCL refit path on a real CPU engine, short of vLLM's NCCL calls themselves.
 
-vLLM's NCCL weight transfer needs GPUs; here the round's vLLM-specific worker calls are replaced by
-no-op worker methods (subclass below), so the controller's own lease logic runs on a real engine.
+vLLM's NCCL weight transfer needs GPUs. Here the engine fleet runs a real CPU engine, and the
+refit controller is configured as a GPU service is (``engine.device: cuda``, ``refit.backend:
+nccl``): it drives that engine exactly as it would drive GPU engines. Only vLLM's NCCL calls are
+stand-ins: on the engine side the controller's fan-out of vLLM's weight-transfer worker methods
+(``NcclStandInController`` below records what every engine would receive and runs a CPU worker
+method instead), on the trainer side vLLM's NCCL rendezvous and packed broadcast (replaced in
+vLLM's module). Everything else is real: ``TrainerClient`` learning the backend, bucket size and
+timeout from the controller's config, vLLM's ``NCCLTrainerWeightTransferEngine`` driving our
+``ControllerWeightSyncClient``, and the controller's pause, lease, label and resume.
+
+A trainer that dies in the middle of a round leaves no engine paused: the round runs under a lease
+the trainer renews with every call; when it runs out, every engine reloads its last committed
+weights and resumes, the lock and the fleet's refit bracket are released.
 """
 
 from __future__ import annotations
@@ -23,16 +32,26 @@ pytestmark = pytest.mark.engine
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import test modules
 
 LEASE_S = 2.0
+BUCKET_BYTES = 4 * 1024 * 1024  # the service's refit.bucket_bytes: vLLM's packed buffer size on the NCCL path
 
 
-class NoNcclController(RefitController):
-    """The real controller; only the two calls that need a GPU NCCL engine are stand-ins."""
+class NcclStandInController(RefitController):
+    """The real controller; only the fan-out of vLLM's weight-transfer worker methods (NCCL on a GPU)
+    is a stand-in: it records what each engine would receive, and whether the engines were paused,
+    then runs a worker method that works on CPU on every engine."""
 
-    _NCCL_START = _NCCL_FINISH = "rs_weights_checksum"  # any worker method that succeeds on CPU
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fan_outs: list[tuple[str, list, list[bool]]] = []
 
-    async def nccl_init_weight_transfer_engine(self, init_info: dict) -> None:
-        view = await self._view()
-        self._nccl_members = [list(m.key) for m in view.members]
+    async def _nccl_fan_out(self, engines, method: str, kwargs=None) -> None:
+        per_engine = kwargs if isinstance(kwargs, list) else [kwargs] * len(engines)
+        paused = [await e.is_paused.remote() for e in engines]
+        self.fan_outs.append((method, per_engine, paused))
+        await asyncio.gather(*[e.collective_rpc.remote("rs_weights_checksum") for e in engines])
+
+    def recorded_fan_outs(self) -> list[tuple[str, list, list[bool]]]:
+        return self.fan_outs
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +59,13 @@ def rig(ray_session, tiny_model_dir):
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.fleet.fleet import EngineFleet
 
-    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(tiny_model_dir)},
-                                               "refit": {"step_timeout_s": 30, "lease_s": LEASE_S}}).model_dump()
-    fleet = ray.remote(EngineFleet).options(num_cpus=0, max_concurrency=1000).remote(cfg)
-    controller = ray.remote(NoNcclController).options(num_cpus=0, max_concurrency=1000).remote(cfg, fleet)
+    refit = {"step_timeout_s": 30, "lease_s": LEASE_S, "bucket_bytes": BUCKET_BYTES}
+    cpu = RolloutServiceConfig.model_validate({"engine": {"model": str(tiny_model_dir)}, "refit": refit})
+    gpu_service = RolloutServiceConfig.model_validate(
+        {"engine": {"model": str(tiny_model_dir), "device": "cuda"}, "refit": {**refit, "backend": "nccl"}})
+    fleet = ray.remote(EngineFleet).options(num_cpus=0, max_concurrency=1000).remote(cpu.model_dump())
+    controller = ray.remote(NcclStandInController).options(num_cpus=0, max_concurrency=1000).remote(
+        gpu_service.model_dump(), fleet)
     ray.get(controller.start.remote(), timeout=600)
     yield controller, fleet
     try:
@@ -53,13 +75,21 @@ def rig(ray_session, tiny_model_dir):
         ray.kill(fleet)
 
 
+def _worker_init_info(world_size: int) -> dict:
+    """What vLLM's trainer engine sends for the workers (rank_offset 1: after the trainer)."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+    return worker_init_payload(NCCLWeightTransferInitInfo(master_address="127.0.0.1", master_port=29500,
+                                                          rank_offset=1, world_size=world_size, packed=True))
+
+
 async def test_an_abandoned_nccl_round_resumes_every_engine_when_its_lease_runs_out(rig):
     from rollout_service.refit.types import RefitFailed, RefitInProgress
 
     controller, fleet = rig
     engine = (await controller.get_engines.remote())[0]
     checksum = await controller.weights_checksums.remote()
-    await controller.nccl_init_weight_transfer_engine.remote({})
+    await controller.nccl_init_weight_transfer_engine.remote(_worker_init_info(world_size=2))
     await controller.nccl_start_weight_update.remote()
     assert await engine.is_paused.remote() and (await fleet.stats.remote())["refitting"]
     with pytest.raises(RefitInProgress):
@@ -82,3 +112,62 @@ async def test_an_abandoned_nccl_round_resumes_every_engine_when_its_lease_runs_
     await controller.nccl_start_weight_update.remote()
     await controller.nccl_finish_weight_update.remote("lease-1")
     assert not await engine.is_paused.remote() and await engine.weight_version.remote() == "lease-1"
+
+
+def test_trainer_client_runs_an_nccl_refit_configured_by_the_service(rig, tiny_model_dir, monkeypatch):
+    """TrainerClient() with no arguments on a refit.backend: nccl service: init_weight_sync() picks
+    NCCL, vLLM's trainer engine hands every engine worker init info vLLM's own worker parses (with
+    the service's bucket size), and a refit runs the round start -> update || broadcast -> finish
+    with the engines paused (keep), then labels the version and resumes them."""
+    import vllm.distributed.weight_transfer.nccl_engine as vllm_wt
+    from safetensors.torch import load_file
+
+    from rollout_service.refit.client import TrainerClient
+
+    controller, fleet = rig
+    rendezvous, broadcast = [], []
+    monkeypatch.setattr(vllm_wt, "open_trainer_endpoint", lambda info: rendezvous.append(info) or "nccl-group")
+
+    def packed_broadcast(iterator, group, src, post_iter_func, buffer_size_bytes, num_buffers):
+        assert group == "nccl-group" and src == 0 and buffer_size_bytes == BUCKET_BYTES
+        broadcast.extend((name, post_iter_func((name, t)).dtype) for name, t in iterator)
+
+    monkeypatch.setattr(vllm_wt, "packed_nccl_broadcast_producer", packed_broadcast)
+    already = len(ray.get(controller.recorded_fan_outs.remote()))
+    before = ray.get(controller.stats.remote())
+
+    client = TrainerClient(controller)  # nothing explicit: the service's refit section decides
+    assert client.settings().backend == "nccl" and client.settings().bucket_bytes == BUCKET_BYTES
+    info = client.init_weight_sync()
+    assert info["backend"] == "nccl" and info["world_size"] == 2 and info["bucket_bytes"] == BUCKET_BYTES
+    (trainer_side,) = rendezvous
+    assert (trainer_side.rank, trainer_side.world_size, trainer_side.master_port) == (0, 2, info["port"])
+
+    (init,) = ray.get(controller.recorded_fan_outs.remote())[already:]
+    method, per_engine, _ = init
+    assert method == "init_weight_transfer_engine"
+    worker = vllm_wt.NCCLWeightTransferEngine.init_info_cls(**per_engine[0]["init_info"])  # as the worker parses it
+    assert (worker.master_address, worker.master_port) == (info["host"], info["port"])
+    assert (worker.rank_offset, worker.world_size) == (1, 2)
+    assert worker.packed and worker.packed_buffer_size_bytes == BUCKET_BYTES
+
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    report = client.refit("nccl-1", weights)
+    assert report["ok"] and report["transport"] == "nccl" and report["version"] == "nccl-1"
+    assert report["previous_version"] == before["weight_version"] and report["num_tensors"] == len(weights)
+
+    round_ = ray.get(controller.recorded_fan_outs.remote())[already + 1:]
+    assert [m for m, _, _ in round_] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert all(all(paused) for _, _, paused in round_)  # the whole round with the engine paused (keep)
+    update = vllm_wt.NCCLWeightTransferEngine.update_info_cls(**round_[1][1][0]["update_info"])
+    assert update.names == list(weights)
+    assert update.shapes == [list(t.shape) for t in weights.values()]
+    assert update.dtype_names == [str(t.dtype).split(".")[-1] for t in weights.values()]
+    assert broadcast == [(name, t.dtype) for name, t in weights.items()]  # what the workers were told to expect
+
+    engine = ray.get(controller.get_engines.remote())[0]
+    assert not ray.get(engine.is_paused.remote()) and ray.get(engine.weight_version.remote()) == "nccl-1"
+    stats = ray.get(controller.stats.remote())
+    assert stats["weight_version"] == "nccl-1" and not stats["refitting"]
+    assert stats["num_refits"] == before["num_refits"] + 1
+    assert not ray.get(fleet.stats.remote())["refitting"]

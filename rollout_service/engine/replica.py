@@ -112,6 +112,12 @@ class EngineReplica:
                 # group; otherwise "mp" starts the workers on GPUs 0..TP-1 of the node, the same GPUs
                 # for every engine there.
                 kwargs["distributed_executor_backend"] = "ray"
+        if c.weight_transfer_backend:
+            # vLLM builds a worker's weight-transfer engine only at start (from weight_transfer_config);
+            # without it the NCCL refit's worker calls (init_weight_transfer_engine, ...) are refused.
+            from vllm.config import WeightTransferConfig
+
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=c.weight_transfer_backend)
         if c.served_model_name:
             kwargs["served_model_name"] = c.served_model_name
         kwargs.update(c.extra_engine_args)

@@ -4,11 +4,16 @@ A trainer holds one :class:`TrainerClient` (it is picklable: ship it to a Ray ac
 ``init_weight_sync`` there). It talks to the service's refit controller through its Ray handle::
 
     client = TrainerClient()                 # finds the running service's controller
-    client.init_weight_sync()                # gloo group: trainer rank 0 + every engine worker
+    client.init_weight_sync()                # the service's refit.backend: gloo group (CPU) or NCCL (GPU)
     report = client.refit("7", model.state_dict())               # collective broadcast
     report = client.refit("8", model.state_dict(), transport="object_store")
     report = client.refit("9", "/ckpt/step-9", transport="path")  # HF checkpoint directory
     client.stats()                           # version, in-flight rollouts and their lag
+
+Unless given to the constructor, ``bucket_bytes`` and ``timeout_s`` are the service's
+``refit.bucket_bytes`` / ``refit.step_timeout_s``, and ``init_weight_sync``'s backend is its
+``refit.backend``: read from the controller's config when they are needed (so a redeploy's values
+apply to the next call).
 
 ``refit`` returns the report dict (:class:`~rollout_service.refit.types.RefitReport`) or raises
 ``RefitInProgress`` / ``RefitFailed`` (engines resumed on the previous weights either way).
@@ -35,6 +40,7 @@ import concurrent.futures
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
 from rollout_service.engine.collective import (
@@ -53,21 +59,32 @@ TRANSPORTS = ("collective", "object_store", "path")
 BACKENDS = ("gloo", "nccl")
 
 
+@dataclass(frozen=True)
+class RefitSettings:
+    """What one call uses: the client's explicit arguments, else the service's ``refit`` config."""
+
+    backend: str
+    bucket_bytes: int
+    timeout_s: float
+
+
 class TrainerClient:
     def __init__(
         self,
         controller=None,
         *,
-        bucket_bytes: int = 256 * 1024 * 1024,
-        timeout_s: float = 300.0,
+        bucket_bytes: int | None = None,
+        timeout_s: float | None = None,
         clear_cache: bool | None = None,
     ):
+        """``bucket_bytes`` / ``timeout_s`` None: the service's ``refit.bucket_bytes`` /
+        ``refit.step_timeout_s``; ``clear_cache`` None: its ``refit.clear_cache``."""
         self._controller = controller
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.clear_cache = clear_cache
         self._group = None
-        self._group_timeout_s = timeout_s  # the gloo group's own timeout (init_weight_sync's)
+        self._group_timeout_s = timeout_s or 300.0  # the gloo group's own timeout (init_weight_sync's)
         self._group_formed = False  # init_weight_sync succeeded once: re-forming it is the trainer's intent
         self._nccl = None
         self._pack_buffers = PackBuffers()
@@ -89,26 +106,55 @@ class TrainerClient:
             self._controller = get_controller()
         return self._controller
 
+    def settings(self) -> RefitSettings:
+        """The backend, bucket size and step timeout a call uses: the explicit constructor arguments,
+        the rest from the service's ``refit`` config (one controller query)."""
+        import ray
+
+        return self._resolve(ray.get(self.controller.refit_config.remote(), timeout=60))
+
+    async def asettings(self) -> RefitSettings:
+        """:meth:`settings`, awaited."""
+        return self._resolve(await _aget(self.controller.refit_config.remote(), 60))
+
+    def _resolve(self, refit: Mapping[str, Any]) -> RefitSettings:
+        return RefitSettings(
+            backend=refit["backend"],
+            bucket_bytes=self.bucket_bytes or refit["bucket_bytes"],
+            timeout_s=self.timeout_s or refit["step_timeout_s"],
+        )
+
+    def _explicit(self) -> RefitSettings | None:
+        """The settings without asking the controller, when the caller fixed both values (the backend
+        is not needed for a refit: it follows the group init_weight_sync formed)."""
+        if self.bucket_bytes and self.timeout_s:
+            return RefitSettings(backend="", bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s)
+        return None
+
     # ------------------------------------------------------------------- set-up
     def init_weight_sync(
         self,
         *,
-        backend: str = "gloo",
+        backend: str | None = None,
         host: str | None = None,
         port: int | None = None,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """Form the collective group: this process is rank 0, every engine worker joins.
 
-        gloo (CPU): a dedicated ``ProcessGroupGloo`` on a TCPStore this process hosts — never the
-        default process group. nccl (GPU, unverified here): vLLM's NCCL weight-transfer engine.
+        ``backend`` None: the service's ``refit.backend``. gloo (CPU): a dedicated
+        ``ProcessGroupGloo`` on a TCPStore this process hosts — never the default process group.
+        nccl (GPU, unverified here): vLLM's NCCL weight-transfer engine, with packed buffers of
+        ``bucket_bytes``; the engines were started for it by ``refit.backend: nccl``.
         """
         import ray
 
-        backend, host, port, timeout = self._weight_sync_args(backend, host, port, timeout_s)
+        settings = self.settings()
+        backend, host, port, timeout = self._weight_sync_args(backend or settings.backend, host, port,
+                                                              timeout_s or settings.timeout_s)
         if backend == "nccl":
             world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
-            return self._init_nccl(host, port, timeout, world)
+            return self._init_nccl(host, port, timeout, world, settings.bucket_bytes)
         self._group = None
         world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
         name, t0 = _group_name(), time.perf_counter()
@@ -121,18 +167,20 @@ class TrainerClient:
     async def ainit_weight_sync(
         self,
         *,
-        backend: str = "gloo",
+        backend: str | None = None,
         host: str | None = None,
         port: int | None = None,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """:meth:`init_weight_sync` for an event loop: the address look-up (a GCS query) and the join
         run in a worker thread."""
-        backend, host, port, timeout = await asyncio.to_thread(self._weight_sync_args, backend, host, port, timeout_s)
+        settings = await self.asettings()
+        backend, host, port, timeout = await asyncio.to_thread(
+            self._weight_sync_args, backend or settings.backend, host, port, timeout_s or settings.timeout_s)
         if backend == "nccl":  # pragma: no cover - GPU only
             world = await _aget(self.controller.weight_sync_world_size.remote(), timeout)
             # vLLM's trainer engine is synchronous: its controller calls block that thread, not the loop.
-            return await asyncio.to_thread(self._init_nccl, host, port, timeout, world)
+            return await asyncio.to_thread(self._init_nccl, host, port, timeout, world, settings.bucket_bytes)
         self._group = None
         world = await _aget(self.controller.weight_sync_world_size.remote(), timeout)
         name, t0 = _group_name(), time.perf_counter()
@@ -146,7 +194,7 @@ class TrainerClient:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
         host = host or _node_ip()
-        return backend, host, port or free_port(host), timeout_s or self.timeout_s
+        return backend, host, port or free_port(host), timeout_s
 
     def close(self) -> None:
         self._group = None
@@ -173,7 +221,8 @@ class TrainerClient:
         _check_transport(transport)
         self._acquire()
         try:
-            version, clear, timeout = self._refit_args(version, clear_cache, timeout_s)
+            settings = self._explicit() or self.settings()
+            version, clear, timeout = self._refit_args(version, clear_cache, timeout_s, settings)
             if transport == "collective":
                 if self._nccl is not None:
                     import ray
@@ -183,12 +232,12 @@ class TrainerClient:
                 try:
                     if self._group is not None:  # before any byte is sent: is the group still whole?
                         _get(self.controller.check_weight_sync.remote(), 60)
-                    return self._refit_collective(version, params, clear, timeout, on_bucket)
+                    return self._refit_collective(version, params, clear, timeout, on_bucket, settings.bucket_bytes)
                 except WeightSyncNotInitialized as exc:
                     if not self._reform_after(exc):
                         raise
-                    self.init_weight_sync(timeout_s=self._group_timeout_s)
-                    return self._refit_collective(version, params, clear, timeout, on_bucket)
+                    self.init_weight_sync(backend="gloo", timeout_s=self._group_timeout_s)
+                    return self._refit_collective(version, params, clear, timeout, on_bucket, settings.bucket_bytes)
             transfer = _staged_transfer(params, transport)
             return _get(self._start(version, transfer, clear, timeout), _overall(timeout))
         finally:
@@ -222,20 +271,22 @@ class TrainerClient:
 
     async def _arefit_locked(self, version, params, transport, clear_cache, timeout_s, on_bucket) -> dict[str, Any]:
         try:
-            version, clear, timeout = self._refit_args(version, clear_cache, timeout_s)
+            settings = self._explicit() or await self.asettings()
+            version, clear, timeout = self._refit_args(version, clear_cache, timeout_s, settings)
             if transport == "collective":
                 if self._nccl is not None:  # pragma: no cover - GPU only
                     previous = await _aget(self.controller.current_version.remote(), 60)
                     return await asyncio.to_thread(self._refit_nccl, version, params, previous)
+                bucket = settings.bucket_bytes
                 try:
                     if self._group is not None:  # before any byte is sent: is the group still whole?
                         await _aget(self.controller.check_weight_sync.remote(), 60)
-                    return await self._arefit_collective(version, params, clear, timeout, on_bucket)
+                    return await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
                 except WeightSyncNotInitialized as exc:
                     if not self._reform_after(exc):
                         raise
-                    await self.ainit_weight_sync(timeout_s=self._group_timeout_s)
-                    return await self._arefit_collective(version, params, clear, timeout, on_bucket)
+                    await self.ainit_weight_sync(backend="gloo", timeout_s=self._group_timeout_s)
+                    return await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
             transfer = await asyncio.to_thread(_staged_transfer, params, transport)
             return await _aget(self._start(version, transfer, clear, timeout), _overall(timeout))
         finally:
@@ -250,18 +301,18 @@ class TrainerClient:
         if not self._lock.acquire(blocking=False):
             raise RefitInProgress("this client is already running a refit")
 
-    def _refit_args(self, version, clear_cache, timeout_s) -> tuple[str, bool | None, float]:
-        return str(version), self.clear_cache if clear_cache is None else clear_cache, timeout_s or self.timeout_s
+    def _refit_args(self, version, clear_cache, timeout_s, settings: RefitSettings) -> tuple[str, bool | None, float]:
+        return str(version), self.clear_cache if clear_cache is None else clear_cache, timeout_s or settings.timeout_s
 
     def _start(self, version: str, transfer, clear, timeout):
         """The controller's refit call (pause, receive or stage, load, label, resume): its ref."""
         return self.controller.refit.remote(version, transfer, clear_cache=clear, timeout_s=timeout)
 
     # ------------------------------------------------------- collective transport
-    def _refit_collective(self, version, params, clear, timeout, on_bucket) -> dict[str, Any]:
+    def _refit_collective(self, version, params, clear, timeout, on_bucket, bucket_bytes) -> dict[str, Any]:
         import ray
 
-        group, plan = self._collective_plan(params)
+        group, plan = self._collective_plan(params, bucket_bytes)
         ref = self._start(version, CollectiveTransfer(plan.to_json(), plan.total_bytes), clear, timeout)
         poll = _join_poll(lambda: bool(ray.wait([ref], timeout=0)[0]), lambda: _get(ref, 60), timeout)
         timings, send_error = self._send(group, params, plan, on_bucket, poll)
@@ -271,8 +322,8 @@ class TrainerClient:
             outcome = exc
         return self._collective_result(outcome, timings, send_error)
 
-    async def _arefit_collective(self, version, params, clear, timeout, on_bucket) -> dict[str, Any]:
-        group, plan = self._collective_plan(params)
+    async def _arefit_collective(self, version, params, clear, timeout, on_bucket, bucket_bytes) -> dict[str, Any]:
+        group, plan = self._collective_plan(params, bucket_bytes)
         ref = self._start(version, CollectiveTransfer(plan.to_json(), plan.total_bytes), clear, timeout)
         # The controller's outcome is awaited on the loop and lands in a thread-safe future: the
         # send's poll (in the worker thread) reads it there, without Ray.
@@ -287,10 +338,10 @@ class TrainerClient:
         await waiter
         return self._collective_result(outcome.exception() or outcome.result(), timings, send_error)
 
-    def _collective_plan(self, params):
+    def _collective_plan(self, params, bucket_bytes: int):
         if self._group is None:
             raise WeightSyncNotInitialized("call init_weight_sync() first (or again after a failed transfer)")
-        return self._group, plan_for_state_dict(params, self.bucket_bytes)
+        return self._group, plan_for_state_dict(params, bucket_bytes)
 
     def _send(self, group, params, plan, on_bucket, poll) -> tuple[dict[str, float], BaseException | None]:
         """The trainer's broadcast (blocking; the async path runs it in a worker thread).
@@ -375,17 +426,22 @@ class TrainerClient:
     def weights_checksums(self) -> list[str]:
         import ray
 
-        return ray.get(self.controller.weights_checksums.remote(), timeout=self.timeout_s)
+        timeout = self.timeout_s or self.settings().timeout_s
+        return ray.get(self.controller.weights_checksums.remote(), timeout=timeout)
 
     async def aweights_checksums(self) -> list[str]:
-        return await _aget(self.controller.weights_checksums.remote(), self.timeout_s)
+        timeout = self.timeout_s or (await self.asettings()).timeout_s
+        return await _aget(self.controller.weights_checksums.remote(), timeout)
 
-    # ------------------------------------------------------------- GPU (unverified)
-    def _init_nccl(self, host: str, port: int, timeout: float, world: int) -> dict[str, Any]:  # pragma: no cover
+    # ------------------------------------------- GPU (unverified on GPUs; CPU short of the NCCL calls)
+    def _init_nccl(self, host: str, port: int, timeout: float, world: int, bucket_bytes: int) -> dict[str, Any]:
         """vLLM's trainer-side NCCL engine, driving every engine through the controller (GPU only).
 
         Blocking: vLLM's engine calls the controller synchronously (``ray.get`` inside
-        ``ControllerWeightSyncClient``); the async path runs this in a worker thread."""
+        ``ControllerWeightSyncClient``); the async path runs this in a worker thread. The packed
+        buffers (two per side, on the GPU) are ``bucket_bytes`` each; vLLM hands that size to the
+        workers with the init info, so both sides agree. On CPU everything up to vLLM's NCCL
+        rendezvous runs (tests/test_refit_nccl_lease.py); the rendezvous itself needs GPUs."""
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
         from rollout_service.refit.transports import ControllerWeightSyncClient
@@ -393,13 +449,14 @@ class TrainerClient:
         self._nccl_source = state_dict_weight_source()
         self._nccl_client = ControllerWeightSyncClient(self.controller, timeout_s=timeout)
         self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(
-            NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world, rank=0),
+            NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world, rank=0,
+                                packed_buffer_size_bytes=bucket_bytes),
             client=self._nccl_client,
             source=self._nccl_source,
         )
-        return {"backend": "nccl", "host": host, "port": port, "world_size": world}
+        return {"backend": "nccl", "host": host, "port": port, "world_size": world, "bucket_bytes": bucket_bytes}
 
-    def _refit_nccl(self, version: str, params, previous: str) -> dict[str, Any]:  # pragma: no cover - GPU only
+    def _refit_nccl(self, version: str, params, previous: str) -> dict[str, Any]:
         from rollout_service.refit.types import RefitReport
 
         t0 = time.perf_counter()

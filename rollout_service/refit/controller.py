@@ -163,6 +163,11 @@ class RefitController:
     def current_version(self) -> str:
         return self.weight_version
 
+    def refit_config(self) -> dict[str, Any]:
+        """The ``refit`` section: ``TrainerClient`` takes its backend, bucket size and step timeout
+        from it unless the trainer overrides them."""
+        return self.config.refit.model_dump()
+
     def store_config(self) -> dict[str, Any]:
         """Where rollouts are stored (trainers read trajectories there: ``TrainerClient.get_rollout``)."""
         import os
@@ -194,9 +199,8 @@ class RefitController:
     async def init_weight_sync(self, host: str, port: int, group_name: str, timeout_s: float | None = None) -> list[int]:
         """Every engine worker joins the trainer's dedicated gloo group (trainer = rank 0, hosting the
         TCPStore at host:port). The trainer joins concurrently (``TrainerClient.init_weight_sync``).
-        Returns the workers' ranks."""
-        if self.config.refit.backend != "gloo":
-            raise ValueError("init_weight_sync builds a gloo group; backend nccl uses vLLM's engine (nccl_*)")
+        Returns the workers' ranks. Also on a service whose ``refit.backend`` is nccl, when the
+        trainer asks for gloo: the group is this service's own, whatever the engines started with."""
         if self._refit_lock.locked():
             raise RefitInProgress("cannot re-create the weight-sync group while a refit runs")
         view = await self._view()
@@ -423,25 +427,40 @@ class RefitController:
         return int(sum(v for v in values if isinstance(v, int)))
 
     # ------------------------------------------------ GPU: vLLM's NCCL weight transfer
-    # Unverified here (no GPU): the VLLMWeightSyncClient calls of vLLM's trainer-side
+    # Unverified on GPUs: the VLLMWeightSyncClient calls of vLLM's trainer-side
     # NCCLTrainerWeightTransferEngine, fanned out to every engine (transports.ControllerWeightSyncClient).
+    # On CPU the handshake and the round run short of vLLM's NCCL calls (tests/test_refit_nccl_lease.py).
     # The trainer drives the round (start -> update* -> finish) from its own process, so the round
     # runs under a lease the trainer renews with every call: if the trainer dies mid-round, the lease
     # runs out and the round is abandoned (weights reloaded, engines resumed, fleet bracket ended).
     async def nccl_init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Every worker of every serving engine joins the trainer's NCCL group.
+
+        vLLM's trainer engine sends one worker init info (``rank_offset`` 1: the workers after the
+        trainer). vLLM ranks a worker ``rank_offset + its rank within its engine``, and each of our
+        engines is a separate vLLM instance (data-parallel index 0), so engine ``i`` gets
+        ``rank_offset + i * tensor_parallel_size`` — the ranks our gloo group uses. The same info
+        to every engine would give two engines the same ranks and hang the rendezvous."""
+        if self.config.refit.backend != "nccl":
+            raise ValueError("NCCL weight transfer needs engines started with vLLM's weight-transfer engine: set "
+                             "refit.backend: nccl (this service runs gloo: TrainerClient.init_weight_sync() uses it)")
         view = await self._view()
+        infos = nccl_worker_init_infos(init_info, len(view.members), self.config.engine.tensor_parallel_size)
         self._nccl_members = [list(m.key) for m in view.members]
-        await self._nccl_fan_out(view.handles(), "init_weight_transfer_engine", {"init_info": init_info})
+        await self._nccl_fan_out(view.handles(), "init_weight_transfer_engine", [{"init_info": i} for i in infos])
 
     async def nccl_shutdown_weight_transfer_engine(self) -> None:
         view = await self._view()
         await asyncio.gather(*[e.collective_rpc.remote("shutdown_weight_transfer_engine") for e in view.handles()],
                              return_exceptions=True)
 
-    async def _nccl_fan_out(self, engines, method: str, kwargs: dict | None = None) -> None:
+    async def _nccl_fan_out(self, engines, method: str, kwargs: dict | list[dict] | None = None) -> None:
+        """One of vLLM's weight-transfer worker methods on every engine, under the step timeout;
+        ``kwargs`` is one dict for all engines or a list with one per engine."""
         timeout = self.config.refit.step_timeout_s
-        await asyncio.wait_for(
-            asyncio.gather(*[e.collective_rpc.remote(method, kwargs=kwargs, timeout=timeout) for e in engines]), timeout)
+        per_engine = kwargs if isinstance(kwargs, list) else [kwargs] * len(engines)
+        await asyncio.wait_for(asyncio.gather(
+            *[e.collective_rpc.remote(method, kwargs=kw, timeout=timeout) for e, kw in zip(engines, per_engine)]), timeout)
 
     async def nccl_start_weight_update(self) -> None:
         if self._refit_lock.locked():
@@ -493,6 +512,7 @@ class RefitController:
                                        self.config.refit.step_timeout_s)
                 self.weight_version = str(version)
                 self._version_history.append(str(version))
+                self._num_refits += 1
                 committed = str(version)
         except BaseException:
             await self._nccl_release(reload=True)
@@ -536,6 +556,20 @@ class RefitController:
 def _overall(step_timeout: float) -> float:
     """A refit is four steps, each under its own timeout, plus a rollback in the worst case."""
     return 6 * step_timeout + 30
+
+
+def nccl_worker_init_infos(init_info: dict, num_engines: int, tensor_parallel_size: int) -> list[dict]:
+    """Per engine, vLLM's worker init info with that engine's ``rank_offset`` (see
+    ``RefitController.nccl_init_weight_transfer_engine``). Refuses an info whose ``world_size`` is not
+    the trainer plus every worker of ``num_engines`` engines (the serving set changed since the
+    trainer asked ``weight_sync_world_size``)."""
+    world = 1 + num_engines * tensor_parallel_size
+    if init_info.get("world_size") != world:
+        raise WeightSyncNotInitialized(
+            f"NCCL init for world size {init_info.get('world_size')}, but the serving engines make {world} "
+            "(trainer + every worker): the engines changed, initialize the NCCL weight transfer again")
+    base = int(init_info.get("rank_offset", 1))
+    return [{**init_info, "rank_offset": base + i * tensor_parallel_size} for i in range(num_engines)]
 
 
 def _short_error(exc: BaseException) -> str:

@@ -13,7 +13,8 @@ a small picklable object the trainer-side client builds and the controller runs 
   file to ``/dev/shm`` (same node, page cache); the worker reads it and the file is deleted.
 - :class:`CheckpointPathTransfer` — a HF-format checkpoint directory every engine node can read.
 - :class:`ControllerWeightSyncClient` — GPU only, vLLM's native ``WeightTransferConfig(backend="nccl")``
-  engine driven through the controller; written against vLLM's API and **not run here** (no GPU).
+  engine driven through the controller; written against vLLM's API, **not run on a GPU** (on CPU:
+  the handshake and the round short of the NCCL calls).
 """
 
 from __future__ import annotations
@@ -73,13 +74,14 @@ class ControllerWeightSyncClient:
     """GPU: vLLM's ``VLLMWeightSyncClient`` protocol over our controller, for vLLM's trainer-side
     ``NCCLTrainerWeightTransferEngine`` (``WeightTransferConfig(backend="nccl")``).
 
-    **Unverified here (no GPU).** vLLM's trainer engine drives the round trip
-    (``start_weight_update`` / ``update_weights`` concurrently with its NCCL broadcast /
-    ``finish_weight_update``); each call is fanned out to every engine by the controller, which
-    pauses (keep) before the round and labels + resumes after it. The engines must be started with
-    ``extra_engine_args={"weight_transfer_config": {"backend": "nccl"}}``. vLLM loads in place
-    while receiving, so this path has no stage / load split: a failed round is rolled back by
-    reloading the last good checkpoint path (``RefitController.nccl_abort``).
+    **Unverified on GPUs** (on CPU: everything short of vLLM's NCCL calls). vLLM's trainer engine
+    drives the round trip (``start_weight_update`` / ``update_weights`` concurrently with its NCCL
+    broadcast / ``finish_weight_update``); each call is fanned out to every engine by the
+    controller, which pauses (keep) before the round and labels + resumes after it. The engines
+    start with vLLM's ``weight_transfer_config`` when the service's ``refit.backend`` is nccl
+    (``EngineReplica.engine_args``). vLLM loads in place while receiving, so this path has no
+    stage / load split: a failed round is rolled back by reloading the last source our transports
+    know (``rs_reload_current``, from ``RefitController._nccl_release``).
     """
 
     def __init__(self, controller, version: str | None = None, timeout_s: float = 300.0):
