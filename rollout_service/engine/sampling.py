@@ -1,16 +1,24 @@
 """Sampling options: validated here, with the parameter's name in every error.
 
 The engine would reject most bad values too, but deep inside a Ray actor and with a message the
-client cannot map to a field. Validating at the edge gives the HTTP layer a 400 naming ``param``
-and keeps bad requests away from the engine. Importable without vLLM.
+client cannot map to a field — and some it would not reject at all before they fail on the way
+in (an integer too large for the engine's MessagePack transport). Validating at the edge gives
+the HTTP layer a 400 naming ``param`` and keeps bad requests away from the engine: every rule of
+vLLM's ``SamplingParams._verify_args`` / ``verify`` that applies to a field we accept is checked
+here, some more strictly (types: a JSON ``true`` is not the integer 1, ``"0.5"`` is not a
+number; ``n`` is 1). Importable without vLLM.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+_INT64 = (-(2**63), 2**63)  # the engine's MessagePack transport carries at most 64-bit integers
+_NULLABLE = ("max_tokens", "seed", "structured_outputs")  # ``None`` here is a value, not "default"
 
 
 class SamplingParamsError(ValueError):
@@ -23,9 +31,13 @@ class SamplingParamsError(ValueError):
 
 
 class SamplingOptions(BaseModel):
-    """What one generation call may ask of the sampler (OpenAI names, vLLM meanings)."""
+    """What one generation call may ask of the sampler (OpenAI names, vLLM meanings).
 
-    model_config = ConfigDict(extra="forbid")
+    Strict types: integers are JSON integers (not bools, floats or strings), numbers are JSON
+    numbers (not bools or strings), flags are JSON booleans.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     n: int = 1
     temperature: float = 1.0
@@ -47,14 +59,34 @@ class SamplingOptions(BaseModel):
     structured_outputs: dict[str, Any] | None = None
 
     @classmethod
-    def validated(cls, max_top_logprobs: int = 20, **kwargs: Any) -> "SamplingOptions":
-        """Build and check; raise SamplingParamsError naming the first bad parameter."""
+    def validated(
+        cls,
+        params: Mapping[str, Any] | None = None,
+        /,
+        max_top_logprobs: int = 20,
+        vocab_size: int | None = None,
+        **kwargs: Any,
+    ) -> "SamplingOptions":
+        """Build and check; raise SamplingParamsError naming the first bad parameter.
+
+        The client's parameters come as ``params`` (a mapping: any key in it, even one named like
+        the arguments below, is a sampling parameter) and/or as keyword arguments.
+        ``max_top_logprobs`` bounds ``top_logprobs`` (the engine's ``max_logprobs``);
+        ``vocab_size`` bounds ``stop_token_ids`` — pass the engine's vocabulary size (vLLM checks
+        against the model's, which may be larger than the tokenizer's); ``None`` checks only
+        that ids are non-negative. ``None`` values mean "default" (except for ``max_tokens``,
+        ``seed`` and ``structured_outputs``, whose default is ``None``).
+        """
+        if params is not None and not isinstance(params, Mapping):
+            raise SamplingParamsError("sampling", f"sampling parameters must be a mapping, got {type(params).__name__}")
+        kwargs = {**(params or {}), **kwargs}
+        for name in kwargs:
+            if not isinstance(name, str):
+                raise SamplingParamsError(str(name), "unknown sampling parameter")
         stop = kwargs.get("stop")
         if isinstance(stop, str):
             kwargs["stop"] = [stop]
-        elif stop is None:
-            kwargs.pop("stop", None)
-        for k in [k for k, v in kwargs.items() if v is None and k not in ("max_tokens", "seed", "structured_outputs")]:
+        for k in [k for k, v in kwargs.items() if v is None and k not in _NULLABLE]:
             kwargs.pop(k)
         unknown = set(kwargs) - set(cls.model_fields)
         if unknown:
@@ -62,41 +94,54 @@ class SamplingOptions(BaseModel):
             raise SamplingParamsError(name, "unknown sampling parameter")
         try:
             opts = cls.model_validate(kwargs)
-        except Exception as exc:  # pydantic.ValidationError: report its first location
-            errors = getattr(exc, "errors", lambda: [])()
-            param = str(errors[0]["loc"][0]) if errors and errors[0].get("loc") else "sampling"
-            msg = errors[0]["msg"] if errors else str(exc)
-            raise SamplingParamsError(param, msg) from None
-        opts.check(max_top_logprobs)
+        except ValidationError as exc:  # report its first location, e.g. stop_token_ids[2]
+            err = exc.errors()[0]
+            loc = err.get("loc") or ("sampling",)
+            msg = f"{err['msg']}, got {type(err.get('input')).__name__}"
+            if len(loc) > 1:
+                msg += " at " + str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+            raise SamplingParamsError(str(loc[0]), msg) from None
+        opts.check(max_top_logprobs, vocab_size=vocab_size)
         return opts
 
-    def check(self, max_top_logprobs: int = 20) -> None:
+    def check(self, max_top_logprobs: int = 20, *, vocab_size: int | None = None) -> None:
+        """vLLM's rules (``SamplingParams._verify_args`` and ``verify``) for the fields we accept."""
         if self.n != 1:
             raise SamplingParamsError(
                 "n", f"only n=1 is supported (got {self.n}); each sample of a rollout is its own rollout id"
             )
         _finite_range("temperature", self.temperature, 0.0, 2.0)
-        if not (0.0 < self.top_p <= 1.0) or not math.isfinite(self.top_p):
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise SamplingParamsError("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        _int64("top_k", self.top_k)
         _finite_range("min_p", self.min_p, 0.0, 1.0)
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise SamplingParamsError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None:
+            if self.max_tokens < 1:
+                raise SamplingParamsError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+            _int64("max_tokens", self.max_tokens)
         if len(self.stop) > 16:
             raise SamplingParamsError("stop", "at most 16 stop strings")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
+        if any(s == "" for s in self.stop):
             raise SamplingParamsError("stop", "stop strings must be non-empty strings")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise SamplingParamsError("stop_token_ids", "token ids must be non-negative")
-        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
-            raise SamplingParamsError("seed", "must fit in a signed 64-bit integer")
+        for j, t in enumerate(self.stop_token_ids):
+            if t < 0:
+                raise SamplingParamsError("stop_token_ids", f"stop_token_ids[{j}] = {t}: token ids are non-negative")
+            if vocab_size is not None and t >= vocab_size:
+                raise SamplingParamsError(
+                    "stop_token_ids", f"stop_token_ids[{j}] = {t} is outside the vocabulary [0, {vocab_size})"
+                )
+        if self.seed is not None:
+            _int64("seed", self.seed)
         _finite_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _finite_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise SamplingParamsError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+            raise SamplingParamsError("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
         if not (0 <= self.top_logprobs <= max_top_logprobs):
             raise SamplingParamsError("top_logprobs", f"must be in [0, {max_top_logprobs}], got {self.top_logprobs}")
+        if self.structured_outputs is not None:
+            _check_structured_outputs(self.structured_outputs)
 
     def to_vllm(self, *, max_tokens: int, cache_salt: str | None = None):
         """vLLM ``SamplingParams``. ``logprobs`` is at least 0 so the sampled token's logprob comes back."""
@@ -131,3 +176,36 @@ class SamplingOptions(BaseModel):
 def _finite_range(name: str, value: float, lo: float, hi: float) -> None:
     if not math.isfinite(value) or not (lo <= value <= hi):
         raise SamplingParamsError(name, f"must be in [{lo}, {hi}], got {value}")
+
+
+def _int64(name: str, value: int) -> None:
+    if not (_INT64[0] <= value < _INT64[1]):
+        raise SamplingParamsError(name, "must fit in a signed 64-bit integer")
+
+
+def _check_structured_outputs(spec: dict[str, Any]) -> None:
+    """What ``to_vllm`` and the engine's first checks would refuse: unknown keys, not exactly one
+    constraint, a schema nested too deeply. A schema its grammar backend cannot compile is still
+    found only by the engine (that needs the backend and the tokenizer). Skipped without vLLM."""
+    try:
+        from vllm import sampling_params as vsp
+    except ImportError:  # pragma: no cover - the ingress of a deployment always has vLLM
+        return
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(vsp.StructuredOutputsParams) if f.init}
+    unknown = sorted(str(k) for k in spec if k not in known)
+    if unknown:
+        raise SamplingParamsError("structured_outputs", f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    try:
+        vsp.StructuredOutputsParams(**spec)
+        check = getattr(vsp, "check_json_nesting", None)
+        if check is not None:
+            check(spec.get("json"))
+            check(spec.get("structural_tag"), structural_tag=True)
+    except ValidationError as exc:  # vLLM's params are a pydantic dataclass: wrong value types
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc") or ())
+        raise SamplingParamsError("structured_outputs", f"{where}: {err['msg']}") from None
+    except Exception as exc:  # noqa: BLE001 - TypeError (unknown key) or vLLM's own validation error
+        raise SamplingParamsError("structured_outputs", " ".join(str(exc).split())[:300]) from None

@@ -2,8 +2,15 @@
 
 The core never guesses: a history it cannot continue exactly is either forked (policy ``fork``),
 refused (:class:`HistoryConflict`, 409), or — when the chat template itself cannot express the
-conversation — refused as a bad request (:class:`UnsupportedConversation`, 400). A silent wrong
-prompt would be an off-policy sample the trainer cannot detect.
+conversation — refused as a bad request (:class:`UnsupportedConversation`, 400). Token data a
+client echoes back in stateless mode that cannot be what the service returned (wrong types,
+lengths that disagree, ids outside the vocabulary) is refused as a bad request too
+(:class:`InvalidEcho`, 400), before anything is built from it. A silent wrong prompt would be an
+off-policy sample the trainer cannot detect.
+
+Every error carries what the HTTP shell needs for OpenAI's error envelope: ``status``, ``code``,
+and where known the message ``index`` and ``field`` it names (``param`` =
+``messages[index].field``).
 """
 
 from __future__ import annotations
@@ -59,3 +66,30 @@ class UnsupportedConversation(OnPolicyError):
         super().__init__(message)
         self.message = message
         self.index = index
+
+
+class InvalidEcho(OnPolicyError, ValueError):
+    """An echoed assistant message's token data is malformed (400, ``invalid_echo``).
+
+    Stateless mode trusts nothing the client echoes without checking it: ``index`` is the message
+    carrying the bad data, ``field`` the echo field at fault (``prompt_token_ids``,
+    ``generation_token_ids``, ``generation_log_probs``, or ``finish_reason``), so the shell can
+    name the parameter as :attr:`param`. Raised for a wrong type (a list of ints, not bools; a
+    list of finite numbers), a missing field the others require, an empty id list, a logprob count
+    that differs from the generated id count, an id outside ``[0, vocabulary size)``, or echo
+    fields on a message that is not the assistant's. Raised before any state is built: nothing
+    is half-applied. A ``ValueError`` too, for callers that catch the core's old error.
+    """
+
+    status = 400
+    code = "invalid_echo"
+
+    def __init__(self, index: int, field: str, message: str):
+        super().__init__(f"messages[{index}].{field}: {message}")
+        self.index = index
+        self.field = field
+        self.message = message
+
+    @property
+    def param(self) -> str:
+        return f"messages[{self.index}].{self.field}"
