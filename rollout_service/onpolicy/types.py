@@ -9,6 +9,7 @@ its number of turns.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -40,13 +41,27 @@ class TurnRecord:
     idempotency_key: str | None = None  # the client's Idempotency-Key, when it sent one
     answer: dict[str, Any] | None = None  # {"message": <assistant message as returned>, "stop_reason": ...}
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, copy_answer: bool = True) -> dict[str, Any]:
         """JSON-ready; optional fields that are None are left out, so a record without replay data
-        stays byte-identical to the records written before those fields existed."""
-        d = asdict(self)
-        for name in _OPTIONAL_RECORD_FIELDS:
-            if d[name] is None:
-                del d[name]
+        stays byte-identical to the records written before those fields existed.
+
+        ``copy_answer=False`` shares the ``answer`` dict with the record, for a caller that
+        serialises the result at once (the store's encoder); the default never aliases the record."""
+        d = {
+            "turn": self.turn,
+            "prompt_start": self.prompt_start,
+            "gen_start": self.gen_start,
+            "gen_end": self.gen_end,
+            "finish_reason": self.finish_reason,
+            "monotonic": self.monotonic,
+            "weight_versions": [asdict(w) for w in self.weight_versions],
+        }
+        if self.request_digest is not None:
+            d["request_digest"] = self.request_digest
+        if self.idempotency_key is not None:
+            d["idempotency_key"] = self.idempotency_key
+        if self.answer is not None:
+            d["answer"] = copy.deepcopy(self.answer) if copy_answer else self.answer
         return d
 
     @classmethod
@@ -59,7 +74,6 @@ class TurnRecord:
 
 
 _RECORD_FIELDS = frozenset(f.name for f in fields(TurnRecord))
-_OPTIONAL_RECORD_FIELDS = ("request_digest", "idempotency_key", "answer")
 
 
 @dataclass

@@ -79,7 +79,7 @@ def encode_delta(delta: TurnDelta, *, expected_turn: int) -> EncodedDelta:
         raise InvalidTurnDelta(f"delta arrays must be flat lists of numbers: {e}") from None
     if n and (ids.min() < 0 or ids.max() > _INT32_MAX):
         raise InvalidTurnDelta("token ids must be in [0, 2**31)")
-    if n and not np.isin(mask, (0, 1)).all():
+    if n and (mask.min() < 0 or mask.max() > 1):
         raise InvalidTurnDelta("loss mask entries must be 0 or 1")
     return EncodedDelta(
         turn=delta.turn,
@@ -88,7 +88,7 @@ def encode_delta(delta: TurnDelta, *, expected_turn: int) -> EncodedDelta:
         ids=ids.astype(IDS_DTYPE).tobytes(),
         logprobs=logprobs.astype(LOGPROBS_DTYPE).tobytes(),
         mask=mask.astype(MASK_DTYPE).tobytes(),
-        record=_dumps(delta.record.to_dict(), "turn record"),
+        record=_dumps(delta.record.to_dict(copy_answer=False), "turn record"),
         messages=[_dumps(m, "message") for m in delta.new_messages],
         render_context=_dumps(delta.render_context, "render_context"),
     )
