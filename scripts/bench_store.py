@@ -1,11 +1,19 @@
 #!/usr/bin/env python
-"""Benchmark the append-only Redis rollout store against stores that rewrite the history per turn.
+"""Benchmark the append-only Redis rollout store against stores that rewrite the history per turn,
+and the per-turn store cost of a long rollout with and without the replica-local cache.
 
-Every store does the same conditional (turn-counter-checked) write in one Lua call; they differ only
-in what they write. The naive stores are given the rollout state in memory (as an affinity replica
-has it after its load), so they pay only for serialising and sending the whole history each turn.
+``appends``: every store does the same conditional (turn-counter-checked) write in one Lua call; they
+differ only in what they write. The naive stores are given the rollout state in memory (as an
+affinity replica has it after its load), so they pay only for serialising and sending the whole
+history each turn.
+
+``cache``: what the data plane pays the store per call (load before it, append after it) along one
+rollout of 120 calls growing to ~3,200 tokens (the shape of issue 11's measurement), for
+``RedisRolloutStore`` alone (every load transfers and decodes the whole history) and behind
+``CachedRolloutStore`` (a load is one O(1) check of the turn counter).
 
     .venv/bin/python scripts/bench_store.py                 # starts its own redis-server (AOF everysec)
+    .venv/bin/python scripts/bench_store.py --section cache
     .venv/bin/python scripts/bench_store.py --url redis://127.0.0.1:6379/0 --rollouts 64 --turns 60
 """
 
@@ -27,8 +35,9 @@ import redis.asyncio as aioredis
 
 from rollout_service.onpolicy.types import RolloutState, Segment, TurnDelta, TurnRecord
 from rollout_service.store import EmbeddedRedis, RedisRolloutStore, TurnConflict
+from rollout_service.store.cache import CachedRolloutStore
 from rollout_service.store.codec import IDS_DTYPE, LOGPROBS_DTYPE, MASK_DTYPE
-from rollout_service.store.testing import synthetic_rollout
+from rollout_service.store.testing import synthetic_delta, synthetic_rollout
 
 _CAS_SET = """
 if (redis.call('GET', KEYS[1]) or '0') ~= ARGV[1] then return 0 end
@@ -159,7 +168,126 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, {platform.system()} {platform.release()}"
 
 
+def long_rollout_deltas(rng: random.Random, turns: int, first_prompt: int, tail: int, gen: int) -> list[TurnDelta]:
+    """One segment: a ``first_prompt``-token first call, then ``tail`` + ``gen`` tokens per call; each
+    record carries the answer the data plane stores for replay (so loads pay for it too)."""
+    deltas, seg_len = [], 0
+    for turn in range(1, turns + 1):
+        d = synthetic_delta(rng, turn=turn, segment_index=0, new_segment=turn == 1, segment_len=seg_len,
+                            prompt_tokens=first_prompt if turn == 1 else tail, gen_tokens=gen)
+        d.record.answer = {"message": {"role": "assistant", "content": f"answer {turn} " * 6, "reasoning_content": None,
+                                       "tool_calls": [{"id": f"chatcmpl-tool-{turn:016x}", "type": "function",
+                                                       "function": {"name": "search", "arguments": '{"q": "x"}'}}]},
+                           "stop_reason": None}
+        d.record.request_digest = f"{turn:064x}"
+        seg_len += len(d.token_ids)
+        deltas.append(d)
+    return deltas
+
+
+async def per_turn_costs(store, deltas: list[TurnDelta], rid: str) -> dict[int, tuple[float, float]]:
+    """(load ms, append ms) per turn, as the data plane pays them: load the state, then append."""
+    costs = {}
+    for d in deltas:
+        t0 = time.perf_counter()
+        state = await store.load(rid)
+        t1 = time.perf_counter()
+        assert (state.turn if state else 0) == d.turn - 1
+        await store.append_turn(rid, d, expected_turn=d.turn - 1)
+        costs[d.turn] = ((t1 - t0) * 1000, (time.perf_counter() - t1) * 1000)
+    return costs
+
+
+async def cache_section(args: argparse.Namespace, url: str) -> None:
+    deltas = long_rollout_deltas(random.Random(0), args.cache_turns, args.first_prompt, args.tail, args.gen)
+    tokens = sum(len(d.token_ids) for d in deltas)
+    tag = uuid.uuid4().hex[:6]
+    plain = RedisRolloutStore.from_url(url, ttl_seconds=3600, key_prefix=f"bp{tag}")
+    cached = CachedRolloutStore(RedisRolloutStore.from_url(url, ttl_seconds=3600, key_prefix=f"bc{tag}"))
+    info = await plain.client.info("server")
+    marks = sorted({2, args.cache_turns // 4, args.cache_turns // 2, args.cache_turns})
+
+    # Per-turn cost along whole rollouts (median over rollouts), plain and cached interleaved.
+    cycles: dict[str, dict[int, list[tuple[float, float]]]] = {"plain": {}, "cached": {}}
+    for i in range(args.cache_rollouts):
+        for name, store in (("plain", plain), ("cached", cached)):
+            for turn, c in (await per_turn_costs(store, deltas, f"roll-{i}")).items():
+                cycles[name].setdefault(turn, []).append(c)
+
+    # Load alone at a given turn, many repeats: replay the rollout up to that turn, then time loads.
+    async def load_ms(store, rid: str, repeats: int) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            await store.load(rid)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1000
+
+    async def out_bytes() -> int:
+        return (await plain.client.info("stats"))["total_net_output_bytes"]
+
+    async def bytes_per_load(store, rid: str, n: int = 20) -> float:
+        """Bytes Redis sends per load (server-side counter; the embedded server has no other client)."""
+        b0 = await out_bytes()
+        b1 = await out_bytes()  # the cost of one INFO reply, to subtract
+        for _ in range(n):
+            await store.load(rid)
+        b2 = await out_bytes()
+        return (b2 - b1 - (b1 - b0)) / n
+
+    loads = {}
+    for mark in marks:
+        rid = f"load-{mark}"
+        for store in (plain, cached):
+            for d in deltas[:mark]:
+                await store.append_turn(rid, d, expected_turn=d.turn - 1)
+        await cached.load(rid)  # cached from here on (the cache keeps what it loads)
+        loads[mark] = {
+            "tokens": sum(len(d.token_ids) for d in deltas[:mark]),
+            "plain": await load_ms(plain, rid, args.load_repeats),
+            "cached": await load_ms(cached, rid, args.load_repeats),
+            "plain_bytes": await bytes_per_load(plain, rid),
+            "cached_bytes": await bytes_per_load(cached, rid),
+        }
+    stats = cached.stats()
+    for prefix in (f"bp{tag}", f"bc{tag}"):
+        async for k in plain.client.scan_iter(match=f"{prefix}:*", count=1000):
+            await plain.client.delete(k)
+    await plain.close()
+    await cached.close()
+
+    print(f"\nOne rollout of {args.cache_turns} calls growing to {tokens:,} tokens ({args.first_prompt}-token first "
+          f"prompt, then {args.tail} + {args.gen} tokens per call, each record with its stored answer); "
+          f"Redis {info['redis_version']}; {machine()}\n")
+    print(f"Load alone (p50 of {args.load_repeats}):\n")
+    print("| at turn | history tokens | RedisRolloutStore.load ms | bytes sent | CachedRolloutStore.load ms (hit) "
+          "| bytes sent | speed-up |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for mark in marks:
+        r = loads[mark]
+        print(f"| {mark} | {r['tokens']:,} | {r['plain']:.3f} | {r['plain_bytes']:,.0f} | {r['cached']:.3f} "
+              f"| {r['cached_bytes']:,.0f} | {r['plain'] / r['cached']:.1f}x |")
+    print(f"\nPer call as the data plane pays it (load + append; p50 over {args.cache_rollouts} rollouts; "
+          "the cached run's first load of a rollout is a miss):\n")
+    print("| turn | plain load ms | plain append ms | plain total ms | cached load ms | cached append ms | cached total ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for mark in marks:
+        row = []
+        for name in ("plain", "cached"):
+            samples = cycles[name][mark]
+            ld = statistics.median(s[0] for s in samples)
+            ap = statistics.median(s[1] for s in samples)
+            tot = statistics.median(s[0] + s[1] for s in samples)
+            row += [ld, ap, tot]
+        print(f"| {mark} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
+    print(f"\ncache counters: {stats}")
+
+
 async def main_async(args: argparse.Namespace, url: str) -> None:
+    if args.section in ("cache", "all"):
+        await cache_section(args, url)
+    if args.section == "cache":
+        return
     gen = args.tokens * 9 // 10
     deltas, expected = synthetic_rollout(random.Random(0), [args.turns], prompt_tokens=args.tokens - gen, gen_tokens=gen)
     info = await aioredis.Redis.from_url(url).info("server")
@@ -205,6 +333,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1000, help="tokens appended per turn (10%% prompt tail, 90%% generated)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--load-repeats", type=int, default=50)
+    p.add_argument("--section", choices=["appends", "cache", "all"], default="all")
+    p.add_argument("--cache-turns", type=int, default=120)
+    p.add_argument("--cache-rollouts", type=int, default=20)
+    p.add_argument("--first-prompt", type=int, default=300, help="cache section: tokens of the first prompt")
+    p.add_argument("--tail", type=int, default=8, help="cache section: prompt tail tokens per later call")
+    p.add_argument("--gen", type=int, default=16, help="cache section: generated tokens per call")
     args = p.parse_args()
     args.embedded = args.url is None
     if args.url:
