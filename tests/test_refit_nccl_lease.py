@@ -171,3 +171,17 @@ def test_trainer_client_runs_an_nccl_refit_configured_by_the_service(rig, tiny_m
     assert stats["weight_version"] == "nccl-1" and not stats["refitting"]
     assert stats["num_refits"] == before["num_refits"] + 1
     assert not ray.get(fleet.stats.remote())["refitting"]
+
+
+def test_trainer_client_takes_bucket_size_and_timeout_from_the_service_unless_given(rig):
+    from rollout_service.refit.client import RefitSettings, TrainerClient
+
+    controller, _ = rig
+    assert TrainerClient(controller).settings() == RefitSettings("nccl", BUCKET_BYTES, 30.0)
+    explicit = TrainerClient(controller, bucket_bytes=1 << 20, timeout_s=7)
+    assert explicit.settings() == RefitSettings("nccl", 1 << 20, 7)
+    # Told otherwise: a gloo group on a refit.backend nccl service (the controller does not refuse it).
+    info = explicit.init_weight_sync(backend="gloo")
+    assert info["backend"] == "gloo" and info["worker_ranks"] == [1]
+    ray.get(controller.close_weight_sync.remote(), timeout=60)
+    explicit.close()

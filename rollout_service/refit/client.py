@@ -117,11 +117,14 @@ class TrainerClient:
         """:meth:`settings`, awaited."""
         return self._resolve(await _aget(self.controller.refit_config.remote(), 60))
 
-    def _resolve(self, refit: Mapping[str, Any]) -> RefitSettings:
+    def _resolve(self, refit_config: Mapping[str, Any]) -> RefitSettings:
+        from rollout_service.config import RefitConfig
+
+        refit = RefitConfig.model_validate(refit_config)
         return RefitSettings(
-            backend=refit["backend"],
-            bucket_bytes=self.bucket_bytes or refit["bucket_bytes"],
-            timeout_s=self.timeout_s or refit["step_timeout_s"],
+            backend=refit.backend,
+            bucket_bytes=self.bucket_bytes or refit.bucket_bytes,
+            timeout_s=self.timeout_s or refit.step_timeout_s,
         )
 
     def _explicit(self) -> RefitSettings | None:
