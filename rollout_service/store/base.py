@@ -7,7 +7,8 @@ implementation can make each of those one atomic server-side step, and the in-me
 it exactly for unit tests of other modules.
 
 Exceptions carry no Redis types, so the HTTP layer maps them without importing the store backend:
-``InvalidRolloutId`` / ``InvalidTurnDelta`` -> 400, ``TurnConflict`` -> 409, ``StoreUnavailable`` -> 503.
+``InvalidRolloutId`` / ``InvalidTurnDelta`` -> 400, ``TurnConflict`` -> 409, ``StoreUnavailable`` -> 503,
+``StoreFull`` -> 507.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ class TurnConflict(StoreError):
 
 class StoreUnavailable(StoreError):
     """The backend cannot be reached (the HTTP layer answers 503; the request may be retried)."""
+
+
+class StoreFull(StoreError):
+    """The backend refused a write for lack of memory (Redis at ``maxmemory`` with ``noeviction``).
+
+    Nothing of the refused write was stored: the history is as it was before the call, so the call
+    can be retried once memory is freed (rollouts deleted or expired, ``maxmemory`` raised). The
+    HTTP layer answers 507 (Insufficient Storage).
+    """
 
 
 class _Unchanged(enum.Enum):

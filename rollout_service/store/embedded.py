@@ -6,6 +6,13 @@ rollout state, which no in-process fake can do. This starts the apt-installed ``
 would fork a 2-core box for nothing), and stops exactly the process it started. The server also
 gets SIGTERM from the kernel when the process that started it dies, even by SIGKILL, so it cannot
 outlive its owner.
+
+Memory is capped (``maxmemory``, policy ``noeviction``): a full server refuses writes — the service
+answers 507 and no stored history changes — instead of growing until the machine swaps or the OOM
+killer ends it (and every rollout with it). The cap is ``maxmemory`` if given, else the environment
+variable ``ROLLOUT_SERVICE_REDIS_MAXMEMORY`` (Redis units: ``4gb``, ``512mb``; ``0`` = no cap), else
+a quarter of this machine's RAM (``DEFAULT_MAXMEMORY_FRACTION``). A rollout takes about 10 bytes per
+token, plus its messages' text, plus ~300 bytes per turn (docs/deployment.md, "Redis sizing").
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 INSTALL_HINT = "redis-server not found on PATH: install it with `apt-get install -y redis-server`"
+MAXMEMORY_ENV = "ROLLOUT_SERVICE_REDIS_MAXMEMORY"
+DEFAULT_MAXMEMORY_FRACTION = 0.25  # of physical RAM: room for Ray, the engines and the OS beside it
+MIN_DEFAULT_MAXMEMORY = 256 * 1024 * 1024
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -36,6 +46,18 @@ def find_redis_server(explicit: str | None = None) -> str:
     if not path or not os.access(path, os.X_OK):
         raise EmbeddedRedisError(INSTALL_HINT)
     return path
+
+
+def default_maxmemory() -> str:
+    """``maxmemory`` when none is given: the environment's, else a quarter of physical RAM (bytes)."""
+    env = os.environ.get(MAXMEMORY_ENV, "").strip()
+    if env:
+        return env
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return "0"  # unknown RAM: no cap rather than a wrong one
+    return str(max(MIN_DEFAULT_MAXMEMORY, int(ram * DEFAULT_MAXMEMORY_FRACTION)))
 
 
 def _free_port(host: str) -> int:
@@ -128,13 +150,17 @@ class EmbeddedRedis:
         *,
         host: str = "127.0.0.1",
         port: int | None = None,
+        maxmemory: str | int | None = None,
         extra_args: Sequence[str] = (),
         redis_server: str | None = None,
         ready_timeout: float = 10.0,
     ):
+        """``maxmemory``: Redis's cap (bytes, or Redis units such as ``"4gb"``; 0 = none); None: the
+        module's default (``ROLLOUT_SERVICE_REDIS_MAXMEMORY``, else a quarter of RAM)."""
         self.directory = Path(directory)
         self.host = host
         self.port = port
+        self.maxmemory = str(default_maxmemory() if maxmemory is None else maxmemory)
         self.extra_args = list(extra_args)
         self.redis_server = redis_server
         self.ready_timeout = ready_timeout
@@ -184,6 +210,8 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--protected-mode", "yes",
             "--logfile", "",
+            "--maxmemory", self.maxmemory,
+            "--maxmemory-policy", "noeviction",
             *self.extra_args,
         ]
         with open(self.log_path, "ab") as logf:

@@ -40,6 +40,7 @@ from rollout_service.store.base import (
     UNCHANGED,
     InvalidTurnDelta,
     StoreError,
+    StoreFull,
     StoreUnavailable,
     TurnConflict,
     Unchanged,
@@ -354,5 +355,12 @@ class RedisRolloutStore:
             yield
         except _UNAVAILABLE as e:
             raise StoreUnavailable(f"redis unavailable: {e}") from e
+        except rexc.ResponseError as e:
+            # Redis at maxmemory under noeviction: "OOM command not allowed when used memory >
+            # 'maxmemory'" (redis-py's OutOfMemoryError; a script's error reply keeps the OOM prefix).
+            # A Lua script is refused at its first write, so a refused append left no trace.
+            if isinstance(e, rexc.OutOfMemoryError) or str(e).startswith("OOM"):
+                raise StoreFull(f"redis is full (maxmemory reached, noeviction): {e}") from e
+            raise StoreError(f"redis error: {e}") from e
         except rexc.RedisError as e:
             raise StoreError(f"redis error: {e}") from e
