@@ -16,9 +16,13 @@ What is checked, and against what:
   parsed with ``RolloutServiceConfig.from_args``; every ``import_path`` imported (module, then
   attribute).
 - consistency: engines fit the worker groups' GPUs / CPUs (tensor-parallel group on one pod),
-  image flavour matches ``engine.device``, image and ``rayVersion`` match the installed Ray, every
-  Ray container gets the Redis URL / API key env from a Secret that the overlay renders or that
-  the docs say to create, the demo Redis URL names a rendered Service, Redis runs with AOF on a PVC.
+  every Ray container (head included) runs the image k8s/image/Dockerfile builds, of the flavour
+  ``engine.device`` needs and this package's version, ``rayVersion`` and the Dockerfile's base
+  match the installed Ray, every ``--build-arg`` the docs and comments mention is one the
+  Dockerfile declares, every Ray container gets the Redis URL / API key env from a Secret that the
+  overlay renders or that the docs say to create, the demo Redis URL names a rendered Service, Redis
+  runs with AOF on a PVC and a ``maxmemory`` below its container limit (``noeviction``), and the CPU
+  demo's requests fit the node size its comment and the docs state.
 - deliberately broken copies of the manifests fail, each for the reason it was broken.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import re
 import shutil
 import subprocess
 from functools import lru_cache
@@ -43,10 +48,21 @@ from referencing import Registry, Resource
 
 from rollout_service.config import RolloutServiceConfig
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python < 3.11
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = Path(__file__).resolve().parents[2] / "shared" / "kuberay"
 K8S = ROOT / "k8s"
 DEPLOYMENTS = ROOT / "deployments"
+DOCKERFILE = K8S / "image" / "Dockerfile"
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+# The node the CPU demo is documented to fit (k8s/overlays/cpu-demo/kustomization.yaml, docs/deployment.md),
+# and what is left of it for Kubernetes itself (kubelet, control plane and CNI pods on kind / minikube).
+DEMO_NODE = {"cpu": 8.0, "memory": 16 * 2**30}
+DEMO_SYSTEM_RESERVE = {"cpu": 1.0, "memory": 2 * 2**30}
 
 KUSTOMIZATIONS = ["base", "overlays/cpu-demo", "overlays/gpu"]
 # Secrets the operator creates out of band (docs/deployment.md, "Secrets"), per kustomization.
@@ -345,9 +361,38 @@ def _ray_containers(cluster_spec: dict) -> list[tuple[str, dict, dict]]:
     return [(name, group, group["template"]["spec"]["containers"][0]) for name, group in groups]
 
 
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_REDIS_UNITS = {"kb": 2**10, "mb": 2**20, "gb": 2**30, "k": 1000, "m": 1000**2, "g": 1000**3}
+
+
 def _quantity(value: Any) -> float:
+    """A Kubernetes quantity: CPUs (``500m``, ``4``) or bytes (``6Gi``, ``512Mi``)."""
     text = str(value)
+    for suffix, factor in _BINARY.items():
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * factor
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _redis_bytes(value: str) -> int:
+    """A Redis memory setting (``3gb``, ``512mb``, bytes)."""
+    text = value.lower()
+    for suffix in sorted(_REDIS_UNITS, key=len, reverse=True):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * _REDIS_UNITS[suffix])
+    return int(text)
+
+
+def project_image_problem(image: str, device: str) -> str | None:
+    """None if ``image`` is the one k8s/image/Dockerfile builds for ``device`` at this version
+    (``[registry/]rollout-service:<version>-<cpu|gpu>``), else why not."""
+    flavour = "gpu" if device == "cuda" else "cpu"
+    name, _, tag = image.rpartition(":")
+    if name.rpartition("/")[2] != "rollout-service":
+        return f"{image} is not the rollout-service image (k8s/image/Dockerfile): it lacks rollout_service"
+    if tag != f"{VERSION}-{flavour}":
+        return f"{image} is not rollout-service:{VERSION}-{flavour} (engine.device {device})"
+    return None
 
 
 def rayservice_consistency_problems(rs: dict) -> list[str]:
@@ -357,9 +402,6 @@ def rayservice_consistency_problems(rs: dict) -> list[str]:
         problems.append(f"consistency: rayVersion {cluster.get('rayVersion')} != installed Ray {ray.__version__}")
     containers = _ray_containers(cluster)
     for name, _, c in containers:
-        tag = c["image"].rpartition(":")[2]
-        if c["image"].startswith("rayproject/ray:") and not tag.startswith(ray.__version__):
-            problems.append(f"consistency: {name} image {c['image']} is not Ray {ray.__version__}")
         env = {e["name"]: e for e in c.get("env", [])}
         for var in ("ROLLOUT_SERVICE_REDIS_URL", "ROLLOUT_SERVICE_API_KEY"):
             if "secretKeyRef" not in env.get(var, {}).get("valueFrom", {}):
@@ -381,10 +423,10 @@ def rayservice_consistency_problems(rs: dict) -> list[str]:
             total = sum(_quantity(c["resources"]["limits"]["cpu"]) * g["maxReplicas"] for g, c in workers)
             if engine.num_engines * engine.num_cpus_per_engine > total:
                 problems.append(f"consistency: engines need more CPUs than the worker groups' {total}")
-        flavour = "gpu" if engine.device == "cuda" else "cpu"
         for name, _, c in containers:
-            if c["image"].startswith("rayproject/ray:") and not c["image"].endswith(f"-{flavour}"):
-                problems.append(f"consistency: {name} image {c['image']} does not match device {engine.device}")
+            wrong = project_image_problem(c["image"], engine.device)
+            if wrong:
+                problems.append(f"consistency: {name} image {wrong}")
     return problems
 
 
@@ -467,6 +509,67 @@ def test_demo_redis_url_names_a_rendered_service():
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     assert host in services
     assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
+
+
+@pytest.mark.parametrize("name", ["overlays/cpu-demo", "overlays/gpu"])
+def test_redis_refuses_writes_below_its_container_limit_instead_of_being_oom_killed(name):
+    assert redis_memory_problems(_redis(name)) == []
+
+
+def redis_memory_problems(sts: dict) -> list[str]:
+    """maxmemory set, with noeviction, and at most 80% of the container's memory limit: the rest is
+    for the AOF rewrite's fork (copy-on-write), client buffers and fragmentation."""
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    if "--maxmemory" not in args:
+        return ["redis: no --maxmemory: a full Redis is OOM-killed instead of refusing writes"]
+    problems = []
+    if args[args.index("--maxmemory-policy") + 1] != "noeviction":
+        problems.append("redis: maxmemory-policy is not noeviction: a full Redis would drop rollouts")
+    cap, limit = _redis_bytes(args[args.index("--maxmemory") + 1]), _quantity(container["resources"]["limits"]["memory"])
+    if cap <= 0 or cap > 0.8 * limit:
+        problems.append(f"redis: maxmemory {cap} not within 80% of the container limit {limit:.0f}")
+    return problems
+
+
+def demo_requests() -> dict[str, float]:
+    """What the CPU demo's pods request in total (head, worker replicas, Redis)."""
+    total = {"cpu": 0.0, "memory": 0.0}
+    for doc in rendered("overlays/cpu-demo"):
+        if doc["kind"] == "RayService":
+            cluster = doc["spec"]["rayClusterConfig"]
+            pods = [(1, cluster["headGroupSpec"])] + [(g["replicas"], g) for g in cluster["workerGroupSpecs"]]
+            specs = [(n, g["template"]["spec"]) for n, g in pods]
+        elif doc["kind"] == "StatefulSet":
+            specs = [(doc["spec"]["replicas"], doc["spec"]["template"]["spec"])]
+        else:
+            continue
+        for n, spec in specs:
+            for c in spec["containers"]:
+                for key in total:
+                    total[key] += n * _quantity(c["resources"]["requests"][key])
+    return total
+
+
+def test_cpu_demo_requests_fit_the_documented_node():
+    need = demo_requests()
+    for key in ("cpu", "memory"):
+        assert need[key] <= DEMO_NODE[key] - DEMO_SYSTEM_RESERVE[key], (key, need)
+    text = (K8S / "overlays" / "cpu-demo" / "kustomization.yaml").read_text()
+    assert f"{DEMO_NODE['cpu']:.0f} CPUs and {DEMO_NODE['memory'] // 2**30} GiB" in text
+    assert f"request {need['cpu']:.0f} CPUs and {need['memory'] / 2**30:.0f} GiB" in text
+    assert f"{DEMO_NODE['cpu']:.0f} CPUs and {DEMO_NODE['memory'] // 2**30} GiB" in (ROOT / "docs" / "deployment.md").read_text()
+
+
+def test_dockerfile_builds_on_the_installed_ray_and_every_documented_build_argument_exists():
+    text = DOCKERFILE.read_text()
+    declared = {line.split()[1].split("=")[0] for line in text.splitlines() if line.startswith("ARG ")}
+    assert f"FROM rayproject/ray:{ray.__version__}-py311-${{FLAVOR}}" in text
+    mentioned = set()
+    for path in [*K8S.rglob("*.yaml"), DOCKERFILE, ROOT / "docs" / "deployment.md", ROOT / "README.md"]:
+        mentioned |= set(re.findall(r"--build-arg\s+([A-Za-z_]+)=", path.read_text()))
+        assert not re.search(r"\bEXTRA=(cpu|gpu)\b", path.read_text()), f"{path}: the Dockerfile's argument is FLAVOR"
+    assert mentioned and mentioned <= declared, mentioned - declared
 
 
 @pytest.mark.parametrize("name", ["overlays/cpu-demo", "overlays/gpu"])
@@ -576,6 +679,8 @@ RAYSERVICE_BREAKAGES = {
     "more engines than worker CPUs": (lambda rs: _with_args(rs, lambda a: a["engine"].update(num_engines=64)), "consistency: engines need more CPUs"),
     "gpu engine on cpu images": (lambda rs: _with_args(rs, lambda a: a["engine"].update(device="cuda")), "consistency:"),
     "redis url not from a secret": (lambda rs: _head(rs).update(env=[{"name": "ROLLOUT_SERVICE_REDIS_URL", "value": "redis://x"}]), "lacks ROLLOUT_SERVICE_REDIS_URL"),
+    "head on the stock ray image": (lambda rs: _head(rs).update(image="rayproject/ray:2.60.0-py311-cpu"), "consistency: head image rayproject/ray:2.60.0-py311-cpu is not the rollout-service image"),
+    "image of another version": (lambda rs: _head(rs).update(image="registry.example.com/rollout-service:0.0.1-cpu"), "is not rollout-service:"),
 }
 
 
@@ -615,6 +720,21 @@ BUILTIN_BREAKAGES = {
     "unknown spec field": lambda s: s["spec"].update(volumeClaimTemplate=[]),
     "container without name": lambda s: s["spec"]["template"]["spec"]["containers"][0].pop("name"),
 }
+
+
+REDIS_MEMORY_BREAKAGES = {
+    "no maxmemory": (lambda args: args.__delitem__(slice(args.index("--maxmemory"), args.index("--maxmemory") + 2)), "no --maxmemory"),
+    "maxmemory at the limit": (lambda args: args.__setitem__(args.index("--maxmemory") + 1, "4gb"), "not within 80%"),
+    "evicting policy": (lambda args: args.__setitem__(args.index("--maxmemory-policy") + 1, "allkeys-lru"), "not noeviction"),
+}
+
+
+@pytest.mark.parametrize("breakage", list(REDIS_MEMORY_BREAKAGES))
+def test_broken_redis_memory_settings_fail(breakage):
+    edit, expected = REDIS_MEMORY_BREAKAGES[breakage]
+    sts = _redis()
+    edit(sts["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert any(expected in p for p in redis_memory_problems(sts)), redis_memory_problems(sts)
 
 
 @pytest.mark.parametrize("breakage", list(BUILTIN_BREAKAGES))
