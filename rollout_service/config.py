@@ -95,6 +95,15 @@ class EngineConfig(_Strict):
         "otherwise a weak policy can spend its whole budget on whitespace inside the JSON.",
     )
     max_logprobs: int = Field(20, ge=0, description="Upper bound on `top_logprobs` a request may ask for.")
+    stream_batch_window_s: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="A streamed generation's first token is sent at once, its end too; in between, tokens are sent "
+        "at most once per this window, as one chunk (a Ray object each: ~1 ms of the consumer's CPU, against "
+        "microseconds for the tokens in it). 0: one chunk per engine output. Ids, logprobs and weight spans are the "
+        "same either way.",
+    )
     weight_transfer_backend: Literal["nccl"] | None = Field(
         None,
         description="vLLM weight-transfer engine the workers start with (vLLM's `weight_transfer_config`). Follows "

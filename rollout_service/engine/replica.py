@@ -12,11 +12,12 @@ vLLM default that could change the logprobs the trainer sees.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from rollout_service.config import EngineConfig
@@ -49,6 +50,17 @@ class GenerationChunk:
     num_prompt_tokens: int = 0
     engine_index: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (final chunk)
+
+    @staticmethod
+    def concat(chunks: list["GenerationChunk"]) -> "GenerationChunk":
+        """Consecutive chunks of one generation as one: tokens in order, the rest from the last."""
+        last = chunks[-1]
+        return replace(
+            last,
+            token_ids=[t for c in chunks for t in c.token_ids],
+            logprobs=[lp for c in chunks for lp in c.logprobs],
+            top_logprobs=None if last.top_logprobs is None else [d for c in chunks for d in c.top_logprobs or ()],
+        )
 
 
 class EngineUnavailable(RuntimeError):
@@ -159,14 +171,50 @@ class EngineReplica:
         return self._llm
 
     # ----------------------------------------------------------------- data plane
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream a generation. Prompt ids are used exactly as given: no re-tokenization here."""
-        from vllm.inputs import TokensPrompt
+    async def generate(
+        self, request: GenerateRequest, batch_window_s: float | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        """Stream a generation in batched chunks. Prompt ids are used exactly as given: no re-tokenization here.
+
+        Each chunk is one Ray object, which costs the consumer far more than the few tokens in it, so
+        the first chunk goes out as soon as vLLM has it (time to first token) and later ones at most
+        once per ``batch_window_s`` (default ``EngineConfig.stream_batch_window_s``), each holding
+        every token that came meanwhile; the end of the generation is sent at once (see
+        :func:`~rollout_service.engine.batching.batched`). Batches are concatenations of vLLM's DELTA
+        outputs, so ids, logprobs and weight spans are those of the unbatched stream. 0: one chunk per
+        vLLM output. A consumer that goes away aborts the request in vLLM.
+        """
         from vllm.sampling_params import RequestOutputKind
+
+        from rollout_service.engine.batching import batched
+
+        window = self.config.stream_batch_window_s if batch_window_s is None else batch_window_s
+        chunks = self._generation(request, RequestOutputKind.DELTA)
+        if window > 0:
+            chunks = batched(chunks, window, GenerationChunk.concat)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    async def generate_all(self, request: GenerateRequest) -> GenerationChunk:
+        """The whole generation as one chunk, in one actor round trip: vLLM hands over the final output
+        only (``FINAL_ONLY``), with the same ids, logprobs and weight spans a stream would carry."""
+        from vllm.sampling_params import RequestOutputKind
+
+        async with contextlib.aclosing(self._generation(request, RequestOutputKind.FINAL_ONLY)) as chunks:
+            async for chunk in chunks:
+                if chunk.finish_reason is not None:
+                    return chunk
+        raise EngineUnavailable(f"engine {self.index} ended request {request.request_id} without a final output")
+
+    async def _generation(self, request: GenerateRequest, output_kind) -> AsyncIterator[GenerationChunk]:
+        """One vLLM request as chunks, one per output vLLM hands over; aborted in vLLM unless it
+        finished (the consumer went away, was cancelled, or an error interrupted it)."""
+        from vllm.inputs import TokensPrompt
 
         llm = self._engine()
         params = request.sampling.to_vllm(max_tokens=request.max_tokens)
-        params.output_kind = RequestOutputKind.DELTA
+        params.output_kind = output_kind
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
         if self.config.enable_prefix_caching:
             # No prefix-cache hit may cross a refit: KV computed under other weights is not reused.
@@ -203,22 +251,6 @@ class EngineReplica:
             self._in_flight_started_on.pop(request.request_id, None)
             if not finished:
                 await llm.abort(request.request_id)
-
-    async def generate_all(self, request: GenerateRequest) -> GenerationChunk:
-        """Non-streaming convenience: the whole generation as one chunk."""
-        ids: list[int] = []
-        lps: list[float] = []
-        tops: list[dict[int, float]] = []
-        last = None
-        async for chunk in self.generate(request):
-            ids += chunk.token_ids
-            lps += chunk.logprobs
-            tops += chunk.top_logprobs or []
-            last = chunk
-        assert last is not None
-        last.token_ids, last.logprobs = ids, lps
-        last.top_logprobs = tops if request.sampling.top_logprobs else None
-        return last
 
     async def abort(self, request_id: str) -> None:
         await self._engine().abort(request_id)
