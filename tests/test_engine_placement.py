@@ -108,11 +108,12 @@ def test_create_engine_actor_uses_the_placement_options_and_keeps_its_own(monkey
     assert args == (cfg, 3, "7")
     assert seen[-1] == {
         "num_cpus": 1.0, "num_gpus": 0, "scheduling_strategy": strategy, "runtime_env": replica.engine_runtime_env(cfg),
-        "max_concurrency": 10_000, "max_restarts": 0, "name": "e3", "namespace": "ns", "lifetime": "detached",
+        "max_concurrency": 10_000, "max_restarts": 0, "enable_task_events": False, "name": "e3", "namespace": "ns",
+        "lifetime": "detached",
     }
     replica.create_engine_actor(EngineConfig(), 0)  # no placement: exactly the options it always had
     assert seen[-1] == {"num_cpus": 1.0, "runtime_env": replica.engine_runtime_env(EngineConfig()),
-                        "max_concurrency": 10_000, "max_restarts": 0}
+                        "max_concurrency": 10_000, "max_restarts": 0, "enable_task_events": False}
 
 
 def test_engine_args_use_the_ray_executor_for_tensor_parallel_gpu_engines():

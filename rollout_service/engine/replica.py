@@ -420,6 +420,9 @@ def create_engine_actor(
         "runtime_env": engine_runtime_env(config),
         "max_concurrency": 10_000,
         "max_restarts": 0,
+        # Ray's per-task events (state API / dashboard task list) are recorded by caller and actor
+        # for every call: on the data plane that is CPU per turn on both sides for nothing we read.
+        "enable_task_events": False,
     }
     if placement is not None:
         opts.update(placement.actor_options)
