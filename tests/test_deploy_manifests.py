@@ -587,7 +587,19 @@ def test_redis_keeps_an_append_only_file_on_a_persistent_volume(name):
 
 
 def _deployment_files() -> list[Path]:
-    return sorted(DEPLOYMENTS.glob("*.yaml"))
+    """The Serve config files (``up-*.yaml`` are bare RolloutServiceConfig files for ``up --config``)."""
+    return sorted(p for p in DEPLOYMENTS.glob("*.yaml") if not p.name.startswith("up-"))
+
+
+def test_up_config_example_loads_as_up_loads_it():
+    """`rollout-service up --config` takes a bare RolloutServiceConfig YAML (launcher.run_up: from_yaml)."""
+    (path,) = DEPLOYMENTS.glob("up-*.yaml")
+    config = RolloutServiceConfig.from_yaml(path)
+    assert config.engine.device == "cuda" and config.engine.model and config.refit.backend == "nccl"
+    assert config.engine.weight_transfer_backend == "nccl"
+    assert serve_config_problems(yaml.safe_load(path.read_text()), path.name)  # not a Serve config
+    assert f"up --config deployments/{path.name}" in path.read_text()
+    assert f"deployments/{path.name}" in (ROOT / "docs" / "deployment.md").read_text()
 
 
 def test_deployment_files_exist():
