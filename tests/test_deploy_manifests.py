@@ -70,7 +70,9 @@ EXTERNAL_SECRETS = {"base": {"rollout-service"}, "overlays/gpu": {"rollout-servi
 SECRET_KEYS = {"rollout-service": {"redis-url", "api-key"}}
 K8S_VERSIONS = ["1.29", "1.37"]
 CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
-APP_DEPLOYMENTS = {"Ingress", "RolloutAffinity"}
+# Keeps Serve replicas off the head (which runs Ray's GCS and Serve's controller, num-cpus 0): every
+# worker group offers it, the head does not, and every deployment of the app asks for a sliver of it.
+WORKER_RESOURCE = "rollout_worker"
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
 OBJECT_META_REF = "https://kubernetes.io/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 
@@ -335,18 +337,77 @@ def serve_config_problems(config: Any, where: str) -> list[str]:
     for i, app in enumerate(config.get("applications") or []):
         at = f"{where}.applications[{i}]"
         problems += _unknown_keys(app, ServeApplicationSchema, at)
+        try:
+            deployments = app_deployments(app.get("args"))
+        except Exception as e:
+            deployments = {}
+            problems.append(f"args: {at}: the app does not build: {e}")
         for j, dep in enumerate(app.get("deployments") or []):
             problems += _unknown_keys(dep, DeploymentSchema, f"{at}.deployments[{j}]")
-            if dep.get("name") not in APP_DEPLOYMENTS:
-                problems.append(f"serve: {at}: no deployment named {dep.get('name')!r} in the app")
-            if dep.get("name") == "RolloutAffinity" and {"num_replicas", "autoscaling_config"} & set(dep):
-                problems.append(f"serve: {at}: size RolloutAffinity with service.num_affinity_replicas")
+            code = deployments.get(dep.get("name"))
+            if code is None and deployments:
+                problems.append(f"serve: {at}: no deployment named {dep.get('name')!r} in the app "
+                                f"(it has {sorted(deployments)})")
+            if code is not None and _routed_by_rollout(code) and {"num_replicas", "autoscaling_config"} & set(dep):
+                problems.append(f"serve: {at}: size {dep['name']} with service.num_affinity_replicas")
+            overridden = dep.get("ray_actor_options")
+            if code is not None and overridden is not None:
+                # Serve replaces the code's ray_actor_options with the config's whole: restate them.
+                lost = {k: v for k, v in (code.ray_actor_options or {}).items() if overridden.get(k) != v}
+                if lost:
+                    problems.append(f"serve: {at}: {dep['name']}.ray_actor_options drops the code's {lost}")
         if app.get("import_path") != "rollout_service.serve.app:build_app":
             problems.append(f"serve: {at}: unexpected import_path {app.get('import_path')!r}")
         try:
             RolloutServiceConfig.from_args(app.get("args"))
         except Exception as e:
             problems.append(f"args: {at}: {e}")
+    return problems
+
+
+@lru_cache(maxsize=None)
+def _built(args_json: str) -> dict:
+    from ray.serve._private.build_app import build_app as build
+
+    from rollout_service.serve.app import build_app
+
+    return {d.name: d for d in build(build_app(json.loads(args_json)), name="manifest-check").deployments}
+
+
+def app_deployments(args: dict | None) -> dict:
+    """The app's deployments by name, as the code builds them from these args (Serve rejects an
+    override of a deployment the app does not have)."""
+    return _built(json.dumps(args or {}, sort_keys=True))
+
+
+def _routed_by_rollout(deployment) -> bool:
+    """The deployment sized by service.num_affinity_replicas: requests routed by rollout id."""
+    router = deployment._deployment_config.request_router_config.request_router_class
+    return "consistent_hash" in str(router)
+
+
+def head_placement_problems(rs: dict) -> list[str]:
+    """No Serve replica can be placed on the head: each deployment asks for WORKER_RESOURCE, which
+    every worker group offers (rayStartParams.resources) and the head does not."""
+    cluster = rs["spec"]["rayClusterConfig"]
+
+    def offered(group: dict) -> dict:
+        raw = group.get("rayStartParams", {}).get("resources")
+        return json.loads(json.loads(raw)) if raw else {}
+
+    problems = []
+    if WORKER_RESOURCE in offered(cluster["headGroupSpec"]):
+        problems.append(f"placement: the head offers {WORKER_RESOURCE}")
+    for group in cluster.get("workerGroupSpecs", []):
+        if offered(group).get(WORKER_RESOURCE, 0) <= 0:
+            problems.append(f"placement: worker group {group['groupName']} does not offer {WORKER_RESOURCE}")
+    for app in _serve_config(rs).get("applications", []):
+        overrides = {d["name"]: d for d in app.get("deployments") or []}
+        for name in app_deployments(app.get("args")):
+            asked = (overrides.get(name, {}).get("ray_actor_options") or {}).get("resources", {})
+            if asked.get(WORKER_RESOURCE, 0) <= 0:
+                problems.append(f"placement: {name} replicas may run on the head (no {WORKER_RESOURCE} in its "
+                                "ray_actor_options.resources)")
     return problems
 
 
@@ -441,7 +502,7 @@ def document_problems(doc: dict) -> list[str]:
                          spec_validator.iter_errors(doc["spec"]["rayClusterConfig"])]
             problems += serve_config_problems(_serve_config(doc), "serveConfigV2")
             if not problems:
-                problems += rayservice_consistency_problems(doc)
+                problems += rayservice_consistency_problems(doc) + head_placement_problems(doc)
         return problems
     problems = []
     for version in K8S_VERSIONS:
@@ -687,7 +748,11 @@ RAYSERVICE_BREAKAGES = {
     "typo in serve application key": (lambda rs: _with_serve(rs, lambda c: c["applications"][0].update(route_prefx="/")), "serve: unknown key"),
     "bad proxy location": (lambda rs: _with_serve(rs, lambda c: c.update(proxy_location="Everywhere")), "serve: serveConfigV2:"),
     "override of an unknown deployment": (lambda rs: _with_serve(rs, lambda c: c["applications"][0].update(deployments=[{"name": "Engine"}])), "no deployment named"),
-    "affinity replicas set outside the config": (lambda rs: _with_serve(rs, lambda c: c["applications"][0].update(deployments=[{"name": "RolloutAffinity", "num_replicas": 3}])), "num_affinity_replicas"),
+    "affinity replicas set outside the config": (lambda rs: _with_serve(rs, lambda c: c["applications"][0]["deployments"][-1].update(num_replicas=3)), "num_affinity_replicas"),
+    "serve replica allowed on the head": (lambda rs: _with_serve(rs, lambda c: c["applications"][0]["deployments"][0]["ray_actor_options"].pop("resources")), "may run on the head"),
+    "override drops the code's num_cpus": (lambda rs: _with_serve(rs, lambda c: c["applications"][0]["deployments"][0]["ray_actor_options"].pop("num_cpus")), "drops the code's {'num_cpus': 0}"),
+    "head offers the worker resource": (lambda rs: rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].update(resources='"{\\"rollout_worker\\": 1}"'), "placement: the head offers"),
+    "worker group without the worker resource": (lambda rs: _worker_group(rs)["rayStartParams"].pop("resources"), "does not offer rollout_worker"),
     "more engines than worker CPUs": (lambda rs: _with_args(rs, lambda a: a["engine"].update(num_engines=64)), "consistency: engines need more CPUs"),
     "gpu engine on cpu images": (lambda rs: _with_args(rs, lambda a: a["engine"].update(device="cuda")), "consistency:"),
     "redis url not from a secret": (lambda rs: _head(rs).update(env=[{"name": "ROLLOUT_SERVICE_REDIS_URL", "value": "redis://x"}]), "lacks ROLLOUT_SERVICE_REDIS_URL"),
