@@ -154,7 +154,9 @@ class ServiceConfig(_Strict):
         "fleet) and `<name>-refit` (the refit controller trainers call). Two services in one Ray cluster need two names.",
     )
     api_key: str | None = Field(None, description="Bearer key the ingress requires (None: open).")
-    num_affinity_replicas: int = Field(2, ge=1, description="Rollout-affinity replicas (requests routed by rollout id).")
+    num_affinity_replicas: int = Field(
+        2, ge=1, description="Replicas of the RolloutService deployment (HTTP + turns; every call of a rollout is "
+        "routed to the same one by its rollout id).")
     history_policy: Literal["fork", "reject"] = Field(
         "fork", description="Edited history: fork a new trainable segment, or reject with 409."
     )
@@ -163,6 +165,18 @@ class ServiceConfig(_Strict):
         description="keep: reasoning a client dropped from past assistant turns is not an edit (stored tokens keep "
         "it, as the trainer sees it); strict: any difference is an edit.",
     )
+    retry_policy: Literal["replay", "fork"] = Field(
+        "replay",
+        description="A call identical to the last stored call of its rollout (same messages, tools, tool_choice, "
+        "sampling, max_tokens, template kwargs) is a retry of a call whose answer was lost: replay returns the stored "
+        "answer (nothing stored, no fork); fork runs it as an edited history. An Idempotency-Key header always replays.",
+    )
+    state_cache_rollouts: int = Field(
+        4096, ge=0,
+        description="Rollouts whose state each replica keeps in memory (LRU), revalidated against the stored turn "
+        "counter in one O(1) round trip, so a turn does not reload its whole history. 0: load from the store every call.",
+    )
+    access_log: bool = Field(False, description="Ray Serve access log lines for every request (costs CPU per call).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by context).")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

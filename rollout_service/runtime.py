@@ -17,6 +17,9 @@ RAY_ENV = {
     # Keeps a single-node cluster on 127.0.0.1 (otherwise the node IP is rewritten to eth0).
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "TOKENIZERS_PARALLELISM": "false",
+    # Serve's HTTP proxy routes on this header (the request's session id -> ConsistentHashRouter):
+    # every call of a rollout reaches its owning replica in one hop (rollout_service.serve.app).
+    "RAY_SERVE_SESSION_ID_HEADER_KEY": "x-rollout-id",
 }
 
 

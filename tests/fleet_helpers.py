@@ -94,10 +94,32 @@ def process_gone(pid: int) -> bool:
 
 async def call(runner, rid: str | None, messages: list[dict], *, seed: int, stream: bool, max_tokens: int = 12) -> dict:
     """One model call through the data plane; returns the final event or the error result."""
-    payload = {"rollout_id": rid, "messages": messages, "max_tokens": max_tokens, "stream": stream,
-               "sampling": {"seed": seed, "ignore_eos": True}}
-    events = [e async for e in runner.run_call(payload)]
-    return events[-1]
+    return (await run_events(runner, turn_request(rid, messages, seed=seed, stream=stream, max_tokens=max_tokens)))[-1]
+
+
+def turn_request(rid: str | None, messages: list[dict], *, seed: int, stream: bool, max_tokens: int = 12):
+    from rollout_service.serve.turn_types import TurnRequest
+
+    return TurnRequest(rollout_id=rid, messages=messages, max_tokens=max_tokens, stream=stream,
+                       sampling={"seed": seed, "ignore_eos": True})
+
+
+async def run_events(runner, req, on_event=None) -> list[dict]:
+    """The runner's events as dicts (``kind`` delta / final), or the error as its tagged result last."""
+    from dataclasses import asdict
+
+    from rollout_service.protocol.openai import ServiceError
+    from rollout_service.serve.turn_types import TokenDelta
+
+    events: list[dict] = []
+    try:
+        async for e in runner.run_turn(req):
+            events.append({"kind": "delta" if isinstance(e, TokenDelta) else "final", **asdict(e)})
+            if on_event is not None:
+                on_event(events[-1])
+    except ServiceError as exc:
+        events.append(exc.to_result())
+    return events
 
 
 async def run_rollout(runner, rid: str, turns: int, *, stream: bool, seed0: int, log: list[dict],

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fleet_helpers import FLEET, call, kill_pid, new_rid, process_gone
+from fleet_helpers import FLEET, call, kill_pid, new_rid, process_gone, run_events, turn_request
 
 pytestmark = pytest.mark.engine
 
@@ -25,16 +25,12 @@ async def test_sigstopped_engine_is_detected_killed_and_replaced(fleet_rig):
     # A streaming call that has already sent tokens when the engine hangs.
     streaming_rid = new_rid("hung-stream")
     client.pins[streaming_rid] = victim.key
-    payload = {"rollout_id": streaming_rid, "messages": [{"role": "user", "content": "a long story"}],
-               "max_tokens": 400, "stream": True, "sampling": {"seed": 3, "ignore_eos": True}}
+    req = turn_request(streaming_rid, [{"role": "user", "content": "a long story"}], seed=3, stream=True, max_tokens=400)
     events: list[dict] = []
     first_delta = asyncio.Event()
 
     async def consume():
-        async for e in rig.runner.run_call(payload):
-            events.append(e)
-            if e.get("kind") == "delta":
-                first_delta.set()
+        events.extend(await run_events(rig.runner, req, lambda e: e.get("kind") == "delta" and first_delta.set()))
 
     streaming = asyncio.create_task(consume())
     await asyncio.wait_for(first_delta.wait(), 60)

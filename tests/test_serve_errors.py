@@ -49,7 +49,7 @@ def _unchanged(http, rid, snapshot):
         (b"[1, 2]", None),
         ({"model": MODEL, "messages": "hello"}, "messages"),
         ({"model": MODEL, "messages": []}, "messages"),
-        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"model": MODEL, "messages": [{"role": "user"}]}, "messages.0"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
@@ -122,13 +122,13 @@ def test_non_monotonic_history_under_fork_starts_a_new_segment(http, rollout):
     assert len(traj["segments"]) == 2
 
 
-async def test_concurrent_requests_on_one_rollout_give_one_success_and_one_409(service, rollout):
+async def test_concurrent_different_calls_on_one_rollout_give_one_success_and_one_409(service, rollout):
     rid, history, snapshot = rollout
-    body = {"model": MODEL, "messages": history + [{"role": "user", "content": "go"}], "max_tokens": 64,
-            "ignore_eos": True, "seed": 5}
+    bodies = [{"model": MODEL, "messages": history + [{"role": "user", "content": "go"}], "max_tokens": 64,
+               "ignore_eos": True, "seed": seed} for seed in (5, 6)]
     async with httpx.AsyncClient(base_url=service.url, timeout=120) as client:
         results = await asyncio.gather(*[
-            client.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": rid}) for _ in range(2)
+            client.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": rid}) for body in bodies
         ])
     codes = sorted(r.status_code for r in results)
     assert codes == [200, 409], [r.text for r in results]

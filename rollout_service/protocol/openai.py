@@ -128,9 +128,25 @@ class ToolDef(_Lenient):
     function: FunctionDef
 
 
+class NamedFunction(_Lenient):
+    name: str
+
+
 class NamedToolChoice(_Lenient):
     type: Literal["function"] = "function"
-    function: dict[str, str]
+    function: NamedFunction
+
+
+class AllowedTools(_Lenient):
+    mode: Literal["auto", "required"] = "auto"
+    tools: list[dict[str, Any]] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Lenient):
+    """OpenAI's ``allowed_tools``: the model may only call these (the prompt lists only them)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
 
 
 class SamplingFields(_Lenient):
@@ -163,7 +179,7 @@ class ChatCompletionRequest(SamplingFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
     stream: bool = False
@@ -180,12 +196,6 @@ class ChatCompletionRequest(SamplingFields):
     def _checks(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
-        if isinstance(self.tool_choice, NamedToolChoice):
-            name = self.tool_choice.function.get("name")
-            if not self.tools or name not in {t.function.name for t in self.tools}:
-                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-        if self.tool_choice == "required" and not self.tools:
-            raise ValueError("tool_choice 'required' needs tools")
         return self
 
 
@@ -221,7 +231,10 @@ class ResponsesRequest(SamplingFields):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    # "auto" | "none" | "required" | {"type": "function", "name"} | {"type": "allowed_tools", "mode", "tools"};
+    # hosted tool types are refused with a 400 (serve/dialects/common.tool_choice_of).
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
     stream: bool = False
     reasoning: dict[str, Any] | None = None

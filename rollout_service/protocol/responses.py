@@ -9,11 +9,9 @@ assistant message they belong to.
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any
 
-from rollout_service.protocol.openai import ServiceError, bad_request
+from rollout_service.protocol.openai import bad_request
 
 ECHO_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
@@ -115,43 +113,4 @@ def tools_to_chat(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | 
     return out
 
 
-def output_items(final: dict[str, Any]) -> list[dict[str, Any]]:
-    """One call's result as Responses output items; the echo fields go on the last item."""
-    msg = final["message"]
-    items: list[dict[str, Any]] = []
-    if msg.get("reasoning_content"):
-        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-                      "content": [{"type": "reasoning_text", "text": msg["reasoning_content"]}]})
-    if msg.get("content") or not msg.get("tool_calls"):
-        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": "assistant", "status": "completed",
-                      "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": []}]})
-    for tc in msg.get("tool_calls") or []:
-        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": tc["id"],
-                      "name": tc["function"]["name"], "arguments": tc["function"]["arguments"], "status": "completed"})
-    for k in ECHO_FIELDS:
-        items[-1][k] = final[k]
-    items[-1]["weight_versions"] = final["weight_versions"]
-    if final.get("rollout"):
-        items[-1]["rollout"] = final["rollout"]
-    return items
-
-
-def response_object(final: dict[str, Any], model: str, *, response_id: str | None = None) -> dict[str, Any]:
-    usage = final["usage"]
-    return {
-        "id": response_id or f"resp_{uuid.uuid4().hex}",
-        "object": "response",
-        "created_at": int(time.time()),
-        "model": model,
-        "status": "completed" if final["finish_reason"] != "length" else "incomplete",
-        "incomplete_details": {"reason": "max_output_tokens"} if final["finish_reason"] == "length" else None,
-        "output": output_items(final),
-        "parallel_tool_calls": True,
-        "tool_choice": "auto",
-        "tools": [],
-        "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                  "total_tokens": usage["total_tokens"]},
-    }
-
-
-__all__ = ["input_to_messages", "tools_to_chat", "output_items", "response_object", "ServiceError"]
+__all__ = ["input_to_messages", "tools_to_chat", "ECHO_FIELDS"]

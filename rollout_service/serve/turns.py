@@ -1,10 +1,14 @@
 """One call of a rollout, end to end, HTTP-agnostic: the shell around the on-policy core.
 
-Load the rollout from the store, build the exact prompt ids (on-policy core), generate on the
-rollout's pinned engine, parse the output (vLLM parsers), append the turn atomically. The FastAPI
-ingress turns requests into the primitives here and formats the events this yields; the Serve
-affinity deployment only hosts a :class:`TurnRunner`. Errors are yielded as tagged results
-(:meth:`ServiceError.to_result`) so they cross the Serve handle with their HTTP status intact.
+Load the rollout (from this replica's state cache, revalidated against the store), build the exact
+prompt ids (on-policy core), generate on the rollout's pinned engine, parse the output (vLLM
+parsers), append the turn atomically. The dialects (``serve/dialects``) turn HTTP requests into a
+:class:`~rollout_service.serve.turn_types.TurnRequest` and format the events this yields; errors
+are raised as :class:`ServiceError` with their HTTP status.
+
+Retries are not forks: a call that repeats the last stored call of its rollout (same digest, or
+the same ``Idempotency-Key``) gets the stored answer back and stores nothing; a retry that arrives
+while the original is still running waits for it and gets its answer.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from rollout_service.config import RolloutServiceConfig
@@ -29,12 +33,32 @@ from rollout_service.onpolicy import (
     parse_output,
     state_from_echo,
 )
+from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_turn, stored_answer
 from rollout_service.onpolicy.trajectory import trajectory_export
+from rollout_service.onpolicy.errors import InvalidEcho
 from rollout_service.onpolicy.types import RolloutState, WeightSpan
 from rollout_service.protocol.openai import ServiceError, bad_request
-from rollout_service.store.base import InvalidRolloutId, StoreUnavailable, TurnConflict, validate_rollout_id
+from rollout_service.serve.streaming import StreamParser
+from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnRequest, TurnResult
+from rollout_service.store.base import InvalidRolloutId, StoreError, StoreUnavailable, TurnConflict, validate_rollout_id
 
 logger = logging.getLogger(__name__)
+
+try:  # the store signals a full Redis (maxmemory, noeviction) with its own error type
+    from rollout_service.store.base import StoreFull
+except ImportError:  # pragma: no cover - older store module
+    StoreFull = None  # type: ignore[assignment]
+
+_CLIENT_ERRORS = (HistoryConflict, UnsupportedConversation, InvalidEcho)
+
+REPLAY_WAIT_S = 600.0  # a retry waits at most this long for the original call still in flight
+
+
+@dataclass
+class _InFlight:
+    digest: str
+    idempotency_key: str | None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class TurnRunner:
@@ -44,259 +68,303 @@ class TurnRunner:
         self.store = store
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer)
+        self.vocab_size = _vocab_size(config, tokenizer)
         self.max_model_len = config.engine.max_model_len
-        self.in_flight: set[str] = set()
+        self.in_flight: dict[str, _InFlight] = {}
 
     # ------------------------------------------------------------------ helpers
-    def _sampling(self, payload: dict[str, Any]) -> SamplingOptions:
-        kwargs = dict(payload.get("sampling") or {})
-        if payload.get("top_logprobs"):
-            kwargs["top_logprobs"] = payload["top_logprobs"]
-        if payload.get("structured_outputs"):
-            kwargs["structured_outputs"] = payload["structured_outputs"]
+    def _sampling(self, sampling: dict[str, Any], top_logprobs: int, structured: dict | None = None) -> SamplingOptions:
+        kwargs = dict(sampling or {})
+        if top_logprobs:
+            kwargs["top_logprobs"] = top_logprobs
+        if structured:
+            kwargs["structured_outputs"] = structured
         try:
-            return SamplingOptions.validated(max_top_logprobs=self.config.engine.max_logprobs, **kwargs)
+            return SamplingOptions.validated(kwargs, max_top_logprobs=self.config.engine.max_logprobs,
+                                             vocab_size=self.vocab_size)
         except SamplingParamsError as exc:
             raise bad_request(exc.message, param=exc.param) from None
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise ServiceError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {prompt_len}.",
-                param="messages",
-                code="context_length_exceeded",
-            )
+            raise ServiceError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                               f"has {prompt_len}.", param="messages", code="context_length_exceeded")
         if requested is not None:
             if requested < 1:
                 raise bad_request(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
             if requested > room:
-                raise ServiceError(
-                    400,
-                    f"max_tokens={requested} plus the {prompt_len}-token prompt exceeds the context length "
-                    f"{self.max_model_len}.",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
+                raise ServiceError(400, f"max_tokens={requested} plus the {prompt_len}-token prompt exceeds the context "
+                                   f"length {self.max_model_len}.", param="max_tokens", code="context_length_exceeded")
             return requested
         return min(self.config.service.default_max_tokens, room)
 
-    def _template_kwargs(self, payload: dict[str, Any]) -> dict[str, Any]:
-        return {**self.config.service.default_chat_template_kwargs, **(payload.get("chat_template_kwargs") or {})}
+    def _template_kwargs(self, req: TurnRequest) -> dict[str, Any]:
+        return {**self.config.service.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
 
-    async def _load_state(self, rollout_id: str | None, messages: list[dict], payload: dict[str, Any]) -> tuple[RolloutState | None, list[dict]]:
-        if rollout_id is None:
-            try:
-                return state_from_echo(
-                    messages,
-                    template=self.template,
-                    tools=payload.get("tools"),
-                    chat_template_kwargs=self._template_kwargs(payload),
-                    reasoning_policy=self.config.service.reasoning_policy,
-                )
-            except (HistoryConflict, UnsupportedConversation) as exc:
-                raise _core_error(exc) from None
+    async def _load(self, rollout_id: str) -> RolloutState | None:
         try:
-            return await self.store.load(rollout_id), messages
+            return await self.store.load(rollout_id)
         except StoreUnavailable as exc:
             raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
+        except StoreError as exc:
+            raise ServiceError(503, f"rollout store error: {exc}", type="service_unavailable") from None
 
-    def _plan(self, state, messages, payload):
-        policy = payload.get("history_policy") or self.config.service.history_policy
-        kwargs = self._template_kwargs(payload)
+    def _echo_state(self, req: TurnRequest) -> tuple[RolloutState | None, list[dict]]:
         try:
-            return build_prompt(
-                state,
-                messages,
-                tools=payload.get("tools"),
-                chat_template_kwargs=kwargs,
-                template=self.template,
-                history_policy=policy,
-                reasoning_policy=self.config.service.reasoning_policy,
-            )
-        except (HistoryConflict, UnsupportedConversation) as exc:
+            return state_from_echo(req.messages, template=self.template, tools=req.tools, vocab_size=self.vocab_size,
+                                   chat_template_kwargs=self._template_kwargs(req),
+                                   reasoning_policy=self.config.service.reasoning_policy)
+        except _CLIENT_ERRORS as exc:
             raise _core_error(exc) from None
 
-    # ------------------------------------------------------------------ public
-    async def tokenize(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """The prompt ids the next call of this rollout would use (nothing generated or stored)."""
+    def _plan(self, state, messages, req: TurnRequest):
         try:
-            rollout_id = _rollout_id(payload)
-            if payload.get("prompt") is not None:
-                ids = self.tokenizer.encode(payload["prompt"], add_special_tokens=bool(payload.get("add_special_tokens")))
+            return build_prompt(state, messages, tools=req.tools, chat_template_kwargs=self._template_kwargs(req),
+                                template=self.template,
+                                history_policy=req.history_policy or self.config.service.history_policy,
+                                reasoning_policy=self.config.service.reasoning_policy)
+        except _CLIENT_ERRORS as exc:
+            raise _core_error(exc) from None
+
+    def token_strs(self, ids, tops=None) -> dict[int, str]:
+        wanted = set(ids)
+        for top in tops or []:
+            wanted.update(top or {})
+        return {int(i): self.tokenizer.decode([int(i)]) for i in wanted}
+
+    # ------------------------------------------------------------------ reads
+    async def tokenize(self, *, rollout_id: str | None, prompt: str | None, messages: list[dict] | None,
+                       tools: list[dict] | None, chat_template_kwargs: dict | None, add_special_tokens: bool,
+                       return_token_strs: bool) -> dict[str, Any]:
+        """The prompt ids the next call of this rollout would use (nothing generated or stored)."""
+        if prompt is not None:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            req = TurnRequest(messages=messages or [], tools=tools, chat_template_kwargs=chat_template_kwargs,
+                              rollout_id=_rollout_id(rollout_id))
+            if req.rollout_id is None:
+                state, msgs = self._echo_state(req)
             else:
-                state, messages = await self._load_state(rollout_id, payload["messages"], payload)
-                ids = self._plan(state, messages, payload).prompt_ids
-            out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
-            if payload.get("return_token_strs"):
-                out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-            return out
-        except ServiceError as exc:
-            return exc.to_result()
+                state, msgs = await self._load(req.rollout_id), req.messages
+            ids = self._plan(state, msgs, req).prompt_ids
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
 
     async def get_rollout(self, rollout_id: str) -> dict[str, Any]:
-        return await self._stored(rollout_id, self.store.load, lambda state: trajectory_export(state))
+        return trajectory_export(await self._stored(rollout_id, self.store.load))
 
     async def delete_rollout(self, rollout_id: str) -> dict[str, Any]:
-        return await self._stored(rollout_id, self.store.delete,
-                                  lambda _: {"id": rollout_id, "object": "rollout.deleted", "deleted": True})
+        await self._stored(rollout_id, self.store.delete)
+        return {"id": rollout_id, "object": "rollout.deleted", "deleted": True}
 
-    async def _stored(self, rollout_id: str, op, answer) -> dict[str, Any]:
-        """Run a store operation on one rollout; map invalid id / unknown / store down to 400 / 404 / 503."""
+    async def _stored(self, rollout_id: str, op):
         try:
             validate_rollout_id(rollout_id)
             result = await op(rollout_id)
         except InvalidRolloutId as exc:
-            return bad_request(str(exc), param="rollout_id").to_result()
+            raise bad_request(str(exc), param="rollout_id") from None
         except StoreUnavailable as exc:
-            return ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable").to_result()
+            raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
         if not result:
-            return ServiceError(404, f"rollout {rollout_id!r} not found", type="not_found_error",
-                                code="rollout_not_found").to_result()
-        return answer(result)
+            raise ServiceError(404, f"rollout {rollout_id!r} not found", type="not_found_error", code="rollout_not_found")
+        return result
 
-    async def run_call(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Run one model call; yield ``delta`` events then one ``final`` event (or one error)."""
-        rollout_id = None
-        claimed = False
-        try:
-            rollout_id = _rollout_id(payload)
-            if rollout_id is not None:
-                if rollout_id in self.in_flight:
-                    raise ServiceError(409, f"rollout {rollout_id!r} already has a call in flight", type="conflict_error",
-                                       code="concurrent_turn")
-                self.in_flight.add(rollout_id)
-                claimed = True
-            async for event in self._run_call(payload, rollout_id):
+    # ------------------------------------------------------------------ a call
+    async def run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
+        """Run one model call: ``TokenDelta`` events (streaming only), then one ``TurnResult``."""
+        rollout_id = _rollout_id(req.rollout_id)
+        if rollout_id is None:
+            async for event in self._run(req, None, None):
                 yield event
-        except ServiceError as exc:
-            yield exc.to_result()
-        except Exception as exc:  # a bug or an infrastructure failure: 500/503, never silent
-            logger.exception("call failed")
-            status = 503 if is_engine_death(exc) else 500
-            yield ServiceError(status, f"{type(exc).__name__}: {exc}", type="server_error").to_result()
+            return
+        digest = req.digest()
+        running = self.in_flight.get(rollout_id)
+        if running is not None:
+            same = (req.idempotency_key is not None and req.idempotency_key == running.idempotency_key) or (
+                req.idempotency_key is None and running.digest == digest and self.config.service.retry_policy == "replay")
+            if not same:
+                raise ServiceError(409, f"rollout {rollout_id!r} already has a call in flight", type="conflict_error",
+                                   code="concurrent_turn")
+            if req.idempotency_key is not None and running.digest != digest:
+                raise _key_reused(req.idempotency_key)
+            try:  # a retry of the call still running: wait for it, then answer with what it stored
+                await asyncio.wait_for(running.done.wait(), REPLAY_WAIT_S)
+            except asyncio.TimeoutError:
+                raise ServiceError(409, f"rollout {rollout_id!r}: the call this request repeats is still running",
+                                   type="conflict_error", code="concurrent_turn") from None
+            if self.in_flight.get(rollout_id) is not None:
+                raise ServiceError(409, f"rollout {rollout_id!r} already has a call in flight", type="conflict_error",
+                                   code="concurrent_turn")
+        claim = _InFlight(digest, req.idempotency_key)
+        self.in_flight[rollout_id] = claim
+        try:
+            state = await self._load(rollout_id)
+            replay = self._replay_of(state, req, digest)
+            if replay is not None:
+                if req.stream:
+                    yield TokenDelta(token_ids=replay.generation_token_ids, logprobs=replay.generation_log_probs,
+                                     reasoning=replay.message.get("reasoning_content") or "",
+                                     content=replay.message.get("content") or "")
+                yield replay
+                return
+            async for event in self._run(req, state, digest):
+                yield event
         finally:
-            if claimed:
-                self.in_flight.discard(rollout_id)
+            claim.done.set()
+            if self.in_flight.get(rollout_id) is claim:
+                del self.in_flight[rollout_id]
 
-    async def _run_call(self, payload: dict[str, Any], rollout_id: str | None) -> AsyncIterator[dict[str, Any]]:
-        messages = payload["messages"]
-        sampling = self._sampling(payload)
-        state, messages = await self._load_state(rollout_id, messages, payload)
-        plan = self._plan(state, messages, payload)
-        max_tokens = self._max_tokens(payload.get("max_tokens"), len(plan.prompt_ids))
+    def _replay_of(self, state: RolloutState | None, req: TurnRequest, digest: str) -> TurnResult | None:
+        """The stored answer this request repeats, if it repeats one (see the module docstring)."""
+        if state is None or not state.turn:
+            return None
+        if req.idempotency_key is not None:
+            turn = find_turn(state, idempotency_key=req.idempotency_key)
+            if turn is None:
+                return None
+        elif self.config.service.retry_policy == "replay":
+            turn = find_turn(state, request_digest=digest)
+            if turn is None:
+                return None
+        else:
+            return None
+        try:
+            r = replay_turn(state, turn)
+        except NotReplayable:
+            return None  # stored before answers were kept: run it as a new call
+        if req.idempotency_key is not None and r.request_digest not in (None, digest):
+            raise _key_reused(req.idempotency_key)
+        answer = r.to_dict()
+        ids = answer["generation_token_ids"]
+        return TurnResult(
+            prompt_token_ids=answer["prompt_token_ids"], generation_token_ids=ids,
+            generation_log_probs=answer["generation_log_probs"], finish_reason=answer["finish_reason"],
+            stop_reason=answer["stop_reason"], message=answer["message"], weight_versions=answer["weight_versions"],
+            rollout={**answer["rollout"], "replayed": True}, replayed=True,
+            token_strs=self.token_strs(ids) if req.want_token_strs else None,
+        )
+
+    async def _run(self, req: TurnRequest, state: RolloutState | None, digest: str | None) -> AsyncIterator[TokenDelta | TurnResult]:
+        rollout_id = req.rollout_id
+        messages = req.messages
+        structured = _structured_outputs(req)
+        sampling = self._sampling(req.sampling, req.top_logprobs, structured)
+        if rollout_id is None:
+            state, messages = self._echo_state(req)
+        plan = self._plan(state, messages, req)
+        max_tokens = self._max_tokens(req.max_tokens, len(plan.prompt_ids))
         expected_turn = state.turn if (state is not None and rollout_id is not None) else 0
+        parse_tools = bool(req.tools) and req.tool_choice.mode != "none"
+        streamer = StreamParser(self.tokenizer, reasoning_parser=self.config.engine.reasoning_parser,
+                                chat_template_kwargs=self._template_kwargs(req), prompt_ids=plan.prompt_ids,
+                                hold_tool_calls=parse_tools and not req.tool_choice.forced,
+                                silent=req.tool_choice.forced) if req.stream else None
 
         ids: list[int] = []
         lps: list[float] = []
         tops: list[dict[int, float]] = []
         final_chunk = None
-        stream = payload.get("stream", False)
-        streamer = _TextStreamer(self, payload, plan.prompt_ids)
-        async for chunk in self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=stream):
+        async for chunk in self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=req.stream):
             ids += chunk.token_ids
             lps += chunk.logprobs
             if chunk.top_logprobs:
                 tops += chunk.top_logprobs
             final_chunk = chunk
-            if stream and chunk.token_ids:
-                delta = streamer.push(chunk.token_ids)
-                yield {"kind": "delta", "token_ids": chunk.token_ids, "logprobs": chunk.logprobs,
-                       "top_logprobs": chunk.top_logprobs, **delta}
+            if streamer is not None and (chunk.token_ids or chunk.finish_reason):
+                reasoning, content = streamer.push(chunk.token_ids, finished=chunk.finish_reason is not None)
+                if chunk.token_ids or reasoning or content:
+                    yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
+                                     reasoning=reasoning, content=content,
+                                     token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs) if req.want_token_strs else None)
         assert final_chunk is not None
         finish_reason = final_chunk.finish_reason or "stop"
 
-        parsed = self._parse(ids, payload, plan.prompt_ids)
-        tool_calls = parsed.get("tool_calls") or []
-        if tool_calls and finish_reason == "stop":
+        message = self._parse(ids, req, plan.prompt_ids, parse_tools)
+        if message.get("tool_calls") and finish_reason == "stop":
             finish_reason = "tool_calls"
-        assistant = {"role": "assistant", "content": parsed.get("content") or "",
-                     "reasoning_content": parsed.get("reasoning_content")}
-        if tool_calls:
-            assistant["tool_calls"] = tool_calls
         spans = [WeightSpan(v, s, e) for v, s, e in (final_chunk.weight_versions or [])]
-        delta = finish_turn(
-            state if state is not None else RolloutState(rollout_id),
-            plan,
-            gen_ids=ids,
-            logprobs=lps,
-            finish_reason=finish_reason,
-            weight_versions=spans,
-            assistant_message=assistant,
-        )
-        if rollout_id is not None:
-            try:
-                await self.store.append_turn(rollout_id, delta, expected_turn=expected_turn)
-            except TurnConflict as exc:
-                raise ServiceError(409, str(exc), type="conflict_error", code="concurrent_turn") from None
-            except StoreUnavailable as exc:
-                raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
-
-        yield {
-            "kind": "final",
-            "prompt_token_ids": plan.prompt_ids,
-            "generation_token_ids": ids,
-            "generation_log_probs": lps,
-            "top_logprobs": tops or None,
-            "finish_reason": finish_reason,
-            "stop_reason": final_chunk.stop_reason,
-            "message": assistant,
-            "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in (final_chunk.weight_versions or [])],
-            "rollout": {
-                "id": rollout_id,
-                "turn": delta.turn,
-                "segment": delta.segment_index,
-                "monotonic": plan.monotonic,
-            } if rollout_id is not None else None,
-            "engine_index": final_chunk.engine_index,
-            "usage": {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(ids),
-                      "total_tokens": len(plan.prompt_ids) + len(ids)},
-        }
-
-    async def run_completion(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Raw completion on token ids (or text): no rollout semantics, no chat template."""
         try:
-            prompt = payload["prompt"]
-            ids_in = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
-            vocab = len(self.tokenizer)
-            if any(t >= vocab for t in ids_in):
-                raise bad_request(f"prompt token id out of range (vocabulary size {vocab})", param="prompt")
-            sampling = self._sampling(payload)
-            max_tokens = self._max_tokens(payload.get("max_tokens"), len(ids_in))
-            ids, lps, final = [], [], None
-            async for chunk in self._generate(None, ids_in, sampling, max_tokens, stream=bool(payload.get("stream"))):
-                ids += chunk.token_ids
-                lps += chunk.logprobs
-                final = chunk
-                if payload.get("stream") and chunk.token_ids:
-                    yield {"kind": "delta", "token_ids": chunk.token_ids, "logprobs": chunk.logprobs,
-                           "content": self.tokenizer.decode(chunk.token_ids)}
-            yield {
-                "kind": "final", "prompt_token_ids": ids_in, "generation_token_ids": ids, "generation_log_probs": lps,
-                "finish_reason": final.finish_reason, "text": self.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens),
-                "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in (final.weight_versions or [])],
-                "usage": {"prompt_tokens": len(ids_in), "completion_tokens": len(ids), "total_tokens": len(ids_in) + len(ids)},
-            }
-        except ServiceError as exc:
-            yield exc.to_result()
-
-    def _parse(self, ids: list[int], payload: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
-        forced = payload.get("forced_tool")
-        if forced is not None:
-            return _parse_forced(self.tokenizer.decode(ids, skip_special_tokens=True), forced)
-        ec = self.config.engine
-        out = parse_output(
-            ids,
-            tokenizer=self.tokenizer,
-            reasoning_parser=ec.reasoning_parser,
-            tool_parser=ec.tool_parser if payload.get("parse_tools", True) and payload.get("tools") else None,
-            tools=payload.get("tools"),
-            chat_template_kwargs=self._template_kwargs(payload),
-            prompt_ids=prompt_ids,
+            delta = finish_turn(state if state is not None else RolloutState(rollout_id), plan, gen_ids=ids, logprobs=lps,
+                                finish_reason=finish_reason, weight_versions=spans, assistant_message=message)
+        except HistoryConflict as exc:
+            raise _core_error(exc) from None
+        if rollout_id is not None:
+            delta.record.request_digest = digest
+            delta.record.idempotency_key = req.idempotency_key
+            delta.record.answer = stored_answer(message, stop_reason=final_chunk.stop_reason)
+        if rollout_id is not None:
+            await self._append(rollout_id, delta, expected_turn)
+        yield TurnResult(
+            prompt_token_ids=plan.prompt_ids, generation_token_ids=ids, generation_log_probs=lps,
+            top_logprobs=tops or None, finish_reason=finish_reason, stop_reason=final_chunk.stop_reason, message=message,
+            weight_versions=[{"version": v, "start": s, "end": e} for v, s, e in (final_chunk.weight_versions or [])],
+            rollout={"id": rollout_id, "turn": delta.turn, "segment": delta.segment_index, "monotonic": plan.monotonic,
+                     "replayed": False} if rollout_id is not None else None,
+            engine_index=final_chunk.engine_index,
+            token_strs=self.token_strs(ids, tops) if req.want_token_strs else None,
         )
-        return {"content": out.content, "reasoning_content": out.reasoning_content, "tool_calls": out.tool_calls}
 
+    async def _append(self, rollout_id: str, delta, expected_turn: int) -> None:
+        try:
+            await self.store.append_turn(rollout_id, delta, expected_turn=expected_turn)
+        except TurnConflict as exc:
+            raise ServiceError(409, str(exc), type="conflict_error", code="concurrent_turn") from None
+        except StoreUnavailable as exc:
+            raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
+        except StoreError as exc:
+            if StoreFull is not None and isinstance(exc, StoreFull):
+                raise ServiceError(507, f"rollout store is full, the turn was not stored: {exc}", type="server_error",
+                                   code="store_full") from None
+            raise ServiceError(503, f"rollout store error: {exc}", type="service_unavailable") from None
+
+    def _parse(self, ids: list[int], req: TurnRequest, prompt_ids: list[int], parse_tools: bool) -> dict[str, Any]:
+        if req.tool_choice.forced:
+            return _parse_forced(self.tokenizer.decode(ids, skip_special_tokens=True), req.tool_choice)
+        ec = self.config.engine
+        out = parse_output(ids, tokenizer=self.tokenizer, reasoning_parser=ec.reasoning_parser,
+                           tool_parser=ec.tool_parser if parse_tools else None, tools=req.tools,
+                           chat_template_kwargs=self._template_kwargs(req), prompt_ids=prompt_ids)
+        message: dict[str, Any] = {"role": "assistant", "content": out.content or "",
+                                   "reasoning_content": out.reasoning_content}
+        if out.tool_calls:
+            message["tool_calls"] = out.tool_calls
+        return message
+
+    # ------------------------------------------------------------------ completions
+    async def run_completion(self, call: CompletionCall) -> AsyncIterator[TokenDelta | TurnResult]:
+        """Raw completion on token ids (or text): no rollout semantics, no chat template."""
+        prompt = call.prompt
+        ids_in = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
+        bad = next((t for t in ids_in if not (0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise bad_request(f"prompt token id {bad} is out of range (vocabulary size {self.vocab_size})", param="prompt")
+        sampling = self._sampling(call.sampling, call.top_logprobs)
+        max_tokens = self._max_tokens(call.max_tokens, len(ids_in))
+        decoder = StreamParser(self.tokenizer, reasoning_parser=None, chat_template_kwargs=None, prompt_ids=ids_in,
+                               hold_tool_calls=False) if call.stream else None
+        ids, lps, tops, final = [], [], [], None
+        async for chunk in self._generate(None, ids_in, sampling, max_tokens, stream=call.stream):
+            ids += chunk.token_ids
+            lps += chunk.logprobs
+            tops += chunk.top_logprobs or []
+            final = chunk
+            if decoder is not None and chunk.token_ids:
+                _, text = decoder.push(chunk.token_ids)
+                yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
+                                 content=text,
+                                 token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs) if call.want_token_strs else None)
+        yield TurnResult(
+            prompt_token_ids=ids_in, generation_token_ids=ids, generation_log_probs=lps, top_logprobs=tops or None,
+            finish_reason=final.finish_reason or "stop", stop_reason=final.stop_reason, message={},
+            text=self.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens),
+            weight_versions=[{"version": v, "start": s, "end": e} for v, s, e in (final.weight_versions or [])],
+            engine_index=final.engine_index, token_strs=self.token_strs(ids, tops) if call.want_token_strs else None,
+        )
+
+    # ------------------------------------------------------------------ engine
     async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True):
         """Generate on the rollout's pinned engine (pinned at its first turn to the least loaded one).
 
@@ -342,67 +410,61 @@ class TurnRunner:
                 self.fleet.release(member)
 
 
-class _TextStreamer:
-    """Incremental reasoning / content text for SSE deltas (tool calls arrive parsed in the final event).
+def _vocab_size(config: RolloutServiceConfig, tokenizer) -> int:
+    """Ids a client may send back: the model samples from its embedding rows, which can outnumber the
+    tokenizer's tokens (Qwen: 151,936 rows, 151,669 tokens), so the bound is the larger of the two."""
+    size = len(tokenizer)
+    try:
+        from transformers import AutoConfig
 
-    The split follows the same reasoning parser as the final answer (run on the ids so far), and
-    only text that extends what was already sent is emitted. With tools, content from the first
-    ``<tool_call>`` on is held back, since it is returned as parsed ``tool_calls``.
-    """
-
-    def __init__(self, runner: "TurnRunner", payload: dict[str, Any], prompt_ids: list[int]):
-        self.runner = runner
-        self.payload = payload
-        self.prompt_ids = prompt_ids
-        self.ids: list[int] = []
-        self.sent = {"reasoning": "", "content": ""}
-        self.hold = bool(payload.get("tools")) and payload.get("parse_tools", True) and not payload.get("forced_tool")
-
-    def push(self, new_ids: list[int]) -> dict[str, str]:
-        self.ids += new_ids
-        if self.payload.get("forced_tool"):
-            return {}
-        out = parse_output(
-            self.ids,
-            tokenizer=self.runner.tokenizer,
-            reasoning_parser=self.runner.config.engine.reasoning_parser,
-            tool_parser=None,
-            chat_template_kwargs=self.runner._template_kwargs(self.payload),
-            prompt_ids=self.prompt_ids,
-        )
-        texts = {"reasoning": out.reasoning_content or "", "content": out.content or ""}
-        if self.hold and "<tool_call>" in texts["content"]:
-            texts["content"] = texts["content"].split("<tool_call>", 1)[0].rstrip("\n")
-        delta: dict[str, str] = {}
-        for key, text in texts.items():
-            if text.endswith("\ufffd"):  # incomplete UTF-8 sequence: wait for the next token
-                continue
-            sent = self.sent[key]
-            if len(text) > len(sent) and text.startswith(sent):
-                delta[key] = text[len(sent):]
-                self.sent[key] = text
-        return delta
+        size = max(size, int(AutoConfig.from_pretrained(config.engine.resolved_model()).vocab_size))
+    except Exception:  # a tokenizer-only directory: the tokenizer's size is all we know
+        pass
+    return size
 
 
-def _parse_forced(text: str, forced: dict[str, Any]) -> dict[str, Any]:
+def _structured_outputs(req: TurnRequest) -> dict[str, Any] | None:
+    """vLLM's meaning of a forced tool_choice: structured outputs over the tool's parameters."""
+    tc = req.tool_choice
+    if not tc.forced:
+        return None
+    tools = req.tools or []
+    if tc.mode == "named":
+        fn = next(t["function"] for t in tools if t["function"]["name"] == tc.name)
+        return {"json": fn.get("parameters") or {"type": "object"}}
+    variants = [
+        {"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                          "parameters": t["function"].get("parameters") or {"type": "object"}},
+         "required": ["name", "parameters"]}
+        for t in tools
+    ]
+    return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": variants}}}
+
+
+def _parse_forced(text: str, tc) -> dict[str, Any]:
     """Output of a structured-output forced tool call: arguments (named) or a list of calls (required)."""
     def call(name: str, args: Any) -> dict[str, Any]:
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
+    base = {"role": "assistant", "content": "", "reasoning_content": None}
     try:
-        if forced.get("name"):
+        if tc.mode == "named":
             json.loads(text)
-            return {"content": "", "reasoning_content": None, "tool_calls": [call(forced["name"], text.strip())]}
+            return {**base, "tool_calls": [call(tc.name, text.strip())]}
         items = json.loads(text)
         calls = [call(it["name"], it.get("parameters", it.get("arguments", {}))) for it in items]
-    except (ValueError, KeyError, TypeError):  # cut off by max_tokens: return the text, no call
-        return {"content": text, "reasoning_content": None, "tool_calls": []}
-    return {"content": "", "reasoning_content": None, "tool_calls": calls}
+    except (ValueError, KeyError, TypeError, AttributeError):  # cut off by max_tokens: the text, no call
+        return {**base, "content": text}
+    return {**base, "tool_calls": calls} if calls else {**base, "content": text}
 
 
-def _rollout_id(payload: dict[str, Any]) -> str | None:
-    rid = payload.get("rollout_id")
+def _key_reused(key: str) -> ServiceError:
+    return ServiceError(422, f"Idempotency-Key {key!r} was used for a different request on this rollout; a retry must "
+                        "repeat its request exactly", param="Idempotency-Key", code="idempotency_key_reused")
+
+
+def _rollout_id(rid: str | None) -> str | None:
     if rid is None:
         return None
     try:
@@ -413,6 +475,9 @@ def _rollout_id(payload: dict[str, Any]) -> str | None:
 
 def _core_error(exc: Exception) -> ServiceError:
     if isinstance(exc, HistoryConflict):
-        return ServiceError(409, str(exc), type="conflict_error", param=f"messages[{exc.index}].{exc.field}" if exc.index is not None else "messages",
-                            code="non_monotonic_history")
-    return ServiceError(400, str(exc), param="messages", code="unsupported_conversation")
+        param = f"messages[{exc.index}].{exc.field}" if exc.index is not None else "messages"
+        return ServiceError(409, str(exc), type="conflict_error", param=param, code="non_monotonic_history")
+    index, fld = getattr(exc, "index", None), getattr(exc, "field", None)
+    param = f"messages[{index}].{fld}" if index is not None and fld else (f"messages[{index}]" if index is not None else "messages")
+    code = "invalid_echo" if type(exc).__name__ == "InvalidEcho" else "unsupported_conversation"
+    return ServiceError(400, str(exc), param=param, code=code)

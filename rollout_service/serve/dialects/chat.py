@@ -1,0 +1,167 @@
+"""Chat completions: ``POST /v1/chat/completions`` over the turn runner.
+
+Answers are the ``openai`` package's own types, subclassed for our fields: the exact
+``prompt_token_ids`` / ``generation_token_ids`` / ``generation_log_probs`` (NeMo Gym's names),
+``weight_versions`` and ``rollout`` on the message (and on the last stream chunk's delta).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from openai.types.chat import chat_completion as cc
+from openai.types.chat import chat_completion_chunk as ch
+from openai.types.chat.chat_completion_message import ChatCompletionMessage
+from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
+from openai.types.completion_usage import CompletionUsage
+
+from rollout_service.protocol.openai import ChatCompletionRequest, ServiceError
+from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, error_event, sse, token_str, tool_choice_of
+
+error_frame = error_event
+from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
+
+
+class RolloutMessage(ChatCompletionMessage):
+    reasoning_content: str | None = None
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    weight_versions: list[dict[str, Any]]
+    rollout: dict[str, Any] | None = None
+
+
+class RolloutChoice(cc.Choice):
+    finish_reason: str  # vLLM's reasons include "abort"
+    message: RolloutMessage
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class RolloutChatCompletion(cc.ChatCompletion):
+    choices: list[RolloutChoice]
+    prompt_token_ids: list[int] | None = None
+
+
+class RolloutDelta(ch.ChoiceDelta):
+    reasoning_content: str | None = None
+
+
+class RolloutChunkChoice(ch.Choice):
+    finish_reason: str | None = None
+    delta: RolloutDelta
+
+
+class RolloutChunk(ch.ChatCompletionChunk):
+    choices: list[RolloutChunkChoice]
+
+
+def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnRequest:
+    headers = headers.with_body_rollout_id(req.metadata)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = tool_choice_of(req.tool_choice, tools)
+    return TurnRequest(
+        messages=[m.to_plain() for m in req.messages],
+        tools=allowed_tools(tools, choice),
+        tool_choice=choice,
+        chat_template_kwargs=req.chat_template_kwargs,
+        sampling=req.sampling_kwargs(),
+        max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        stream=req.stream,
+        rollout_id=headers.rollout_id,
+        history_policy=headers.history_policy,
+        idempotency_key=headers.idempotency_key,
+        want_token_strs=bool(req.logprobs) and not req.return_tokens_as_token_ids,
+    )
+
+
+def _logprobs(ids, lps, tops, strs, as_ids: bool) -> cc.ChoiceLogprobs:
+    tops = tops or [None] * len(ids)
+    content = []
+    for tid, lp, top in zip(ids, lps, tops):
+        tok = token_str(strs, tid, as_ids)
+        alts = [TopLogprob(token=(s := token_str(strs, t, as_ids)), logprob=v, bytes=list(s.encode()))
+                for t, v in (top or {}).items()]
+        content.append(ChatCompletionTokenLogprob(token=tok, logprob=lp, bytes=list(tok.encode()), top_logprobs=alts))
+    return cc.ChoiceLogprobs(content=content)
+
+
+def _usage(result: TurnResult) -> CompletionUsage:
+    return CompletionUsage(**result.usage)
+
+
+def response(result: TurnResult, req: ChatCompletionRequest, model: str) -> RolloutChatCompletion:
+    msg = result.message
+    message = RolloutMessage(
+        role="assistant", content=msg.get("content") or None, reasoning_content=msg.get("reasoning_content") or None,
+        tool_calls=msg.get("tool_calls") or None,
+        prompt_token_ids=result.prompt_token_ids, generation_token_ids=result.generation_token_ids,
+        generation_log_probs=result.generation_log_probs, weight_versions=result.weight_versions, rollout=result.rollout,
+    )
+    choice = RolloutChoice(
+        index=0, message=message, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
+        logprobs=_logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
+                           result.token_strs, bool(req.return_tokens_as_token_ids)) if req.logprobs else None,
+        token_ids=result.generation_token_ids if req.return_token_ids else None,
+    )
+    return RolloutChatCompletion(
+        id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion", created=int(time.time()), model=model,
+        choices=[choice], usage=_usage(result),
+        prompt_token_ids=result.prompt_token_ids if req.return_token_ids else None,
+    )
+
+
+async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model: str) -> AsyncIterator[bytes]:
+    """SSE chunks: the role, then content / reasoning deltas, then tool calls, the finish reason and
+    our fields on the last chunk, usage if asked, ``[DONE]``. An error after the first byte is an
+    error event (the status line is already sent)."""
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    as_ids = bool(req.return_tokens_as_token_ids)
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None, **extra) -> bytes:
+        choice = RolloutChunkChoice(index=0, delta=RolloutDelta(**delta), finish_reason=finish, logprobs=logprobs, **extra)
+        body = RolloutChunk(id=cid, object="chat.completion.chunk", created=created, model=model, choices=[choice])
+        return _frame(body)
+
+    yield chunk({"role": "assistant", "content": ""})
+    event = first
+    try:
+        while True:
+            if isinstance(event, TokenDelta):
+                delta: dict[str, Any] = {}
+                if event.reasoning:
+                    delta["reasoning_content"] = event.reasoning
+                if event.content:
+                    delta["content"] = event.content
+                lp = _logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs, as_ids) if req.logprobs else None
+                extra = {"token_ids": event.token_ids} if req.return_token_ids else {}
+                yield chunk(delta, logprobs=lp, **extra)
+            else:
+                result: TurnResult = event
+                delta = {}
+                if result.message.get("tool_calls"):
+                    delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(result.message["tool_calls"])]
+                for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "weight_versions", "rollout"):
+                    delta[k] = getattr(result, k)
+                yield chunk(delta, finish=result.finish_reason)
+                if (req.stream_options or {}).get("include_usage"):
+                    body = RolloutChunk(id=cid, object="chat.completion.chunk", created=created, model=model, choices=[],
+                                        usage=_usage(result))
+                    yield _frame(body)
+                break
+            event = await events.__anext__()
+    except StopAsyncIteration:
+        pass
+    except ServiceError as exc:
+        yield error_event(exc)
+    yield b"data: [DONE]\n\n"
+
+
+def _frame(model) -> bytes:
+    return b"data: " + model.model_dump_json(exclude_unset=True).encode() + b"\n\n"
+
+
+__all__ = ["turn_request", "response", "stream", "sse"]

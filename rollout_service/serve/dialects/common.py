@@ -1,0 +1,128 @@
+"""What the dialects share: rollout headers, the one ``tool_choice`` path, SSE framing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Header
+from pydantic import BaseModel
+
+from rollout_service.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.turn_types import ToolChoice
+from rollout_service.store.base import InvalidRolloutId, validate_rollout_id
+
+HISTORY_POLICIES = ("fork", "reject")
+IDEMPOTENCY_KEY_MAX_LEN = 255
+
+
+@dataclass
+class RolloutHeaders:
+    """The rollout headers of a request, validated (a FastAPI dependency, so OpenAPI lists them)."""
+
+    rollout_id: str | None
+    history_policy: str | None
+    idempotency_key: str | None
+
+    def with_body_rollout_id(self, metadata: dict[str, Any] | None) -> "RolloutHeaders":
+        """The rollout id from ``metadata.rollout_id`` when no header named one (headers win)."""
+        if self.rollout_id is not None or not metadata or "rollout_id" not in metadata:
+            return self
+        return RolloutHeaders(_valid_rollout_id(metadata["rollout_id"], "metadata.rollout_id"), self.history_policy,
+                              self.idempotency_key)
+
+
+def rollout_headers(
+    x_rollout_id: Annotated[str | None, Header(description="The rollout this call belongs to (same id for every call "
+                                                           "of an episode). Routes the call to the replica that owns it.")] = None,
+    x_session_id: Annotated[str | None, Header(description="Alias of X-Rollout-Id (SkyRL / prime-rl / vllm-router "
+                                                           "convention).")] = None,
+    x_history_policy: Annotated[str | None, Header(description="fork (default) or reject: what an edited history does.")] = None,
+    idempotency_key: Annotated[str | None, Header(description="A retry with the same key returns the stored answer of "
+                                                              "the first call instead of running again.")] = None,
+) -> RolloutHeaders:
+    rid = _valid_rollout_id(x_rollout_id, "X-Rollout-Id") if x_rollout_id is not None else None
+    sid = _valid_rollout_id(x_session_id, "X-Session-ID") if x_session_id is not None else None
+    if rid is not None and sid is not None and rid != sid:
+        raise bad_request("X-Rollout-Id and X-Session-ID name different rollouts; send one", param="X-Session-ID")
+    policy = x_history_policy.strip().lower() if x_history_policy is not None else None
+    if policy is not None and policy not in HISTORY_POLICIES:
+        raise bad_request(f"X-History-Policy must be one of {', '.join(HISTORY_POLICIES)}, got {x_history_policy!r}",
+                          param="X-History-Policy", code="invalid_history_policy")
+    if idempotency_key is not None and not (0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX_LEN):
+        raise bad_request(f"Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_MAX_LEN} characters", param="Idempotency-Key")
+    return RolloutHeaders(rid if rid is not None else sid, policy, idempotency_key)
+
+
+def _valid_rollout_id(value: Any, param: str) -> str:
+    try:
+        return validate_rollout_id(value)
+    except InvalidRolloutId as exc:
+        raise bad_request(str(exc), param=param, code="invalid_rollout_id") from None
+
+
+def tool_choice_of(raw: Any, tools: list[dict[str, Any]] | None, *, param: str = "tool_choice") -> ToolChoice:
+    """Any dialect's ``tool_choice`` (already shape-checked by its request model) as one ToolChoice.
+
+    Chat: "auto" | "none" | "required" | {"type": "function", "function": {"name"}} |
+    {"type": "allowed_tools", "allowed_tools": {"mode", "tools": [...]}}. Responses: the same
+    strings | {"type": "function", "name"} | {"type": "allowed_tools", "mode", "tools"}.
+    Hosted tools (file_search, web_search, ...) are not served here: 400.
+    """
+    if isinstance(raw, BaseModel):
+        raw = raw.model_dump(exclude_none=True)
+    names = [t["function"]["name"] for t in tools or []]
+    if raw is None or raw == "auto":
+        return ToolChoice("auto")
+    if raw == "none":
+        return ToolChoice("none")
+    if raw == "required":
+        if not names:
+            raise bad_request("tool_choice 'required' needs tools", param=param)
+        return ToolChoice("required")
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        if kind == "function":
+            name = (raw.get("function") or {}).get("name") if isinstance(raw.get("function"), dict) else raw.get("name")
+            if not isinstance(name, str) or name not in names:
+                raise bad_request(f"tool_choice names function {name!r}, which is not in tools", param=param)
+            return ToolChoice("named", name=name)
+        if kind == "allowed_tools":
+            spec = raw.get("allowed_tools") if isinstance(raw.get("allowed_tools"), dict) else raw
+            mode, listed = spec.get("mode", "auto"), spec.get("tools")
+            if mode not in ("auto", "required") or not isinstance(listed, list) or not listed:
+                raise bad_request("allowed_tools needs mode 'auto' or 'required' and a non-empty list of tools", param=param)
+            allowed = []
+            for i, t in enumerate(listed):
+                name = t.get("name") or (t.get("function") or {}).get("name") if isinstance(t, dict) else None
+                if not isinstance(t, dict) or t.get("type") != "function" or name not in names:
+                    raise bad_request(f"allowed_tools.tools[{i}] must be a function tool named in tools", param=param)
+                allowed.append(name)
+            return ToolChoice("required" if mode == "required" else "auto", allowed=tuple(dict.fromkeys(allowed)))
+        raise bad_request(f"tool_choice of type {kind!r} is not supported: only function tools are served here",
+                          param=param, code="unsupported_tool_choice")
+    raise bad_request(f"unsupported tool_choice {raw!r}", param=param)
+
+
+def allowed_tools(tools: list[dict[str, Any]] | None, choice: ToolChoice) -> list[dict[str, Any]] | None:
+    """The tools the prompt lists: all of them, or the ``allowed_tools`` subset."""
+    if not tools or choice.allowed is None:
+        return tools
+    return [t for t in tools if t["function"]["name"] in choice.allowed]
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def sse_json(payload: str) -> bytes:
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+def error_event(exc: ServiceError) -> bytes:
+    return sse(exc.envelope())
+
+
+def token_str(strs: dict[int, str] | None, tid: int, as_ids: bool) -> str:
+    return f"token_id:{tid}" if as_ids or strs is None else strs.get(tid, "")

@@ -1,0 +1,85 @@
+"""Incremental text of a streaming call: new ids in, new reasoning / content text out.
+
+Each chunk costs work proportional to the chunk, not to the answer so far: ids are detokenized with
+the tokenizer's streaming decoder (``tokenizers.decoders.DecodeStream``, which holds back an
+incomplete UTF-8 sequence until it is complete), and reasoning is split from content by vLLM's own
+streaming parser (``Parser.parse_delta`` of the configured reasoning parser, as ``vllm serve``
+streams). Tool calls are not streamed token by token: with tools on, content from the tool-call
+marker on is held back and the calls arrive parsed (by the same parser as a non-streaming call)
+with the final event, so a streamed call and a non-streamed one return the same message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TOOL_CALL_MARKER = "<tool_call>"
+
+
+class StreamParser:
+    def __init__(self, tokenizer: Any, *, reasoning_parser: str | None, chat_template_kwargs: dict[str, Any] | None,
+                 prompt_ids: list[int], hold_tool_calls: bool, silent: bool = False):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tokenizer
+        self._decoder = DecodeStream(skip_special_tokens=True)
+        self._prompt_ids: list[int] | None = list(prompt_ids)
+        self._hold = hold_tool_calls
+        self._silent = silent  # forced tool calls: nothing streams, the call arrives parsed
+        self._held = ""  # content not sent yet: a possible start of the marker, or trailing newlines
+        self._tool_started = False
+        self._parser = None
+        self._request = None
+        if reasoning_parser and not silent:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+            from rollout_service.onpolicy.parsing import _parser_cls, _TokenizerKey, _vllm_tokenizer
+
+            vtok = _vllm_tokenizer(tokenizer)
+            kwargs = dict(chat_template_kwargs or {})
+            request = ChatCompletionRequest(model="rollout-service", messages=[{"role": "user", "content": ""}],
+                                            chat_template_kwargs=kwargs or None)
+            self._parser = _parser_cls(reasoning_parser, None, _TokenizerKey(vtok))(vtok, None, chat_template_kwargs=kwargs)
+            self._request = self._parser.adjust_request(request)
+
+    def push(self, ids: list[int], finished: bool = False) -> tuple[str, str]:
+        """Feed new ids; return (reasoning, content) text they completed."""
+        if self._silent:
+            return "", ""
+        text = (self._decoder.step(self._tok._tokenizer, list(ids)) or "") if ids else ""
+        if self._parser is None:
+            reasoning, content = "", text
+        else:
+            delta = self._parser.parse_delta(text, list(ids), self._request, self._prompt_ids, finished=finished)
+            self._prompt_ids = None  # only the first call inspects the prompt
+            reasoning = (delta.reasoning or "") if delta else ""
+            content = (delta.content or "") if delta else ""
+        return reasoning, self._filter(content, finished)
+
+    def _filter(self, content: str, finished: bool) -> str:
+        """With tools on, hold back the tool-call text (and what may be its start) until it is known."""
+        if not self._hold:
+            return content
+        if self._tool_started:
+            return ""
+        pending = self._held + content
+        cut = pending.find(TOOL_CALL_MARKER)
+        if cut >= 0:
+            self._tool_started = True
+            self._held = ""
+            return pending[:cut].rstrip("\n")
+        if finished:
+            self._held = ""
+            return pending
+        keep = _possible_marker_start(pending)
+        stripped = pending[:keep].rstrip("\n")
+        self._held = pending[len(stripped):]
+        return stripped
+
+
+def _possible_marker_start(text: str) -> int:
+    """Index where a suffix of ``text`` could begin the marker (``len(text)`` if none could)."""
+    for n in range(min(len(TOOL_CALL_MARKER) - 1, len(text)), 0, -1):
+        if TOOL_CALL_MARKER.startswith(text[-n:]):
+            return len(text) - n
+    return len(text)

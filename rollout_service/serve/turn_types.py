@@ -1,0 +1,131 @@
+"""The typed boundary between the HTTP dialects and the turn runner.
+
+A dialect (chat completions, responses, completions) turns its request into a :class:`TurnRequest`
+(or a :class:`CompletionCall` for raw token-id prompts); the :class:`~rollout_service.serve.turns.TurnRunner`
+answers with :class:`TokenDelta` events (streaming only) and one :class:`TurnResult`. Nothing here
+knows HTTP or Serve, and everything is a plain dataclass, so the same objects cross a Serve handle
+when a request is forwarded to the replica that owns its rollout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+ToolMode = Literal["auto", "none", "required", "named"]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """``tool_choice`` of any dialect in one form.
+
+    ``mode`` auto / none / required / named; ``name`` is the forced function for ``named``;
+    ``allowed`` restricts the tools the prompt lists (OpenAI's ``allowed_tools``): the model is
+    sampled under exactly that prompt, so the trainer sees what the model saw.
+    """
+
+    mode: ToolMode = "auto"
+    name: str | None = None
+    allowed: tuple[str, ...] | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "name": self.name, "allowed": list(self.allowed) if self.allowed is not None else None}
+
+
+@dataclass
+class TurnRequest:
+    """One model call of a rollout (or a stateless call, ``rollout_id=None``)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    chat_template_kwargs: dict[str, Any] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    top_logprobs: int = 0
+    stream: bool = False
+    rollout_id: str | None = None
+    history_policy: Literal["fork", "reject"] | None = None
+    idempotency_key: str | None = None
+    want_token_strs: bool = False
+
+    def digest(self) -> str:
+        """What makes two calls the same call: everything that shapes the prompt or the sampling.
+
+        A retry of a call whose answer was lost carries the same digest; a new call differs (at
+        least by the previous answer in its messages). ``stream`` and the id/key fields are not in it.
+        """
+        body = {
+            "messages": self.messages, "tools": self.tools, "tool_choice": self.tool_choice.to_dict(),
+            "chat_template_kwargs": self.chat_template_kwargs or {}, "sampling": self.sampling,
+            "max_tokens": self.max_tokens, "top_logprobs": self.top_logprobs, "history_policy": self.history_policy,
+        }
+        raw = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+
+@dataclass
+class CompletionCall:
+    """A raw completion: token ids (or text) in, no chat template, no rollout semantics."""
+
+    prompt: list[int] | str
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: int | None = None
+    top_logprobs: int = 0
+    stream: bool = False
+    want_token_strs: bool = False
+
+
+@dataclass
+class TokenDelta:
+    """Newly generated ids of a streaming call and the text they completed (reasoning / content)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None = None
+    reasoning: str = ""
+    content: str = ""
+    token_strs: dict[int, str] | None = None
+
+
+@dataclass
+class TurnResult:
+    """The whole answer of one call, as stored (``replayed``: returned from the store for a retry)."""
+
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    finish_reason: str
+    message: dict[str, Any]  # role, content, reasoning_content, tool_calls (OpenAI shape)
+    weight_versions: list[dict[str, Any]]
+    rollout: dict[str, Any] | None = None  # {id, turn, segment, monotonic, replayed}
+    stop_reason: int | str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    text: str = ""  # completions: the decoded generation
+    engine_index: int | None = None
+    token_strs: dict[int, str] | None = None
+    replayed: bool = False
+    replica: str | None = None  # the replica that ran the turn (owns the rollout)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt_token_ids), len(self.generation_token_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+@dataclass
+class TurnError:
+    """A ServiceError as data, so it crosses a Serve handle with its status and envelope intact."""
+
+    status: int
+    envelope: dict[str, Any]
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    return asdict(obj)
