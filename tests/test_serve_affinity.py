@@ -61,7 +61,7 @@ def _check_trajectories(url, state):
 
 
 def _affinity_replicas():
-    return [a for a in ray.util.list_named_actors(all_namespaces=True) if "RolloutAffinity" in a["name"]]
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if "RolloutService" in a["name"]]
 
 
 async def test_each_rollout_sticks_to_one_replica(service):

@@ -106,7 +106,7 @@ def test_tool_choice_none_returns_text_not_tool_calls(http):
     assert not choice["message"].get("tool_calls") and choice["finish_reason"] in ("length", "stop")
 
 
-def test_responses_stream_ends_with_the_completed_response(openai_client):
+def test_responses_stream_cut_by_max_output_tokens_ends_incomplete(openai_client):
     import uuid
 
     stream = openai_client.responses.create(model=MODEL, input="stream please", max_output_tokens=10, stream=True,
@@ -114,7 +114,8 @@ def test_responses_stream_ends_with_the_completed_response(openai_client):
     events = list(stream)
     assert events[0].type == "response.created"
     done = events[-1]
-    assert done.type == "response.completed"
+    assert done.type == "response.incomplete" and done.response.status == "incomplete"
+    assert done.response.incomplete_details.reason == "max_output_tokens"
     last = done.response.output[-1].model_dump()
     assert len(last["generation_token_ids"]) == 10 and last["rollout"]["turn"] == 1
     deltas = "".join(getattr(e, "delta", "") for e in events if e.type.endswith(".delta"))

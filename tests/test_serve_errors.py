@@ -50,7 +50,7 @@ def _unchanged(http, rid, snapshot):
         ({"model": MODEL, "messages": "hello"}, "messages"),
         ({"model": MODEL, "messages": []}, "messages"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ({"model": MODEL, "messages": [{"role": "user"}]}, "messages.0"),
+        ({"model": MODEL, "messages": [{"role": "user"}]}, "messages[0]"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -45,7 +46,7 @@ from rollout_service.protocol.openai import (
     bad_request,
 )
 from rollout_service.serve.dialects import chat, completions, responses
-from rollout_service.serve.dialects.common import RolloutHeaders, rollout_headers
+from rollout_service.serve.dialects.common import RolloutHeaders, rollout_headers, unicode_body
 from rollout_service.serve.turn_types import TurnError, TurnRequest, TurnResult
 
 logger = logging.getLogger(__name__)
@@ -130,16 +131,22 @@ def error_response(exc: ServiceError) -> JSONResponse:
 
 
 def _param_of(loc) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    """``messages[1].content`` from pydantic's location, without the body and the union-member tags
+    pydantic puts in it (``tool_choice.literal['auto','none','required']``, ``prompt.list[int]``)."""
+    parts = [str(p) for p in loc if p not in ("body",) and not _UNION_TAG.fullmatch(str(p))]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
     return out or None
 
 
+_UNION_TAG = re.compile(r"str|int|float|bool|none|[A-Z]\w*|[\w-]+\[.*\]")
+
+
 def create_app() -> FastAPI:
     app = FastAPI(title="rollout-service", version="0.2.0",
-                  description="OpenAI-compatible generations for RL rollouts, exactly on-policy at the token level.")
+                  description="OpenAI-compatible generations for RL rollouts, exactly on-policy at the token level.",
+                  dependencies=[Depends(unicode_body)])
     app.add_middleware(_Guard)
 
     @app.exception_handler(ServiceError)

@@ -35,6 +35,7 @@ from rollout_service.onpolicy import (
 )
 from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_turn, stored_answer
 from rollout_service.onpolicy.trajectory import trajectory_export
+from rollout_service.onpolicy.echo import _checked_echo
 from rollout_service.onpolicy.errors import InvalidEcho
 from rollout_service.onpolicy.types import RolloutState, WeightSpan
 from rollout_service.protocol.openai import ServiceError, bad_request
@@ -120,6 +121,10 @@ class TurnRunner:
 
     def _plan(self, state, messages, req: TurnRequest):
         try:
+            if req.rollout_id is not None:
+                # A stored rollout does not use echoed ids (its own are the truth), but malformed
+                # ones are still a client bug: the same 400 as in stateless mode.
+                _checked_echo(messages, self.vocab_size)
             return build_prompt(state, messages, tools=req.tools, chat_template_kwargs=self._template_kwargs(req),
                                 template=self.template,
                                 history_policy=req.history_policy or self.config.service.history_policy,
@@ -396,6 +401,9 @@ class TurnRunner:
                     yield chunk
                 return
             except Exception as exc:
+                refused = _engine_refusal(exc)
+                if refused is not None:
+                    raise refused from None
                 if not is_engine_death(exc):
                     raise
                 self.fleet.report_lost(member, exc)
@@ -457,6 +465,21 @@ def _parse_forced(text: str, tc) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError, AttributeError):  # cut off by max_tokens: the text, no call
         return {**base, "content": text}
     return {**base, "tool_calls": calls} if calls else {**base, "content": text}
+
+
+def _engine_refusal(exc: BaseException) -> ServiceError | None:
+    """The engine's own request validation (vLLM's ``VLLMClientError``, e.g. a tool's parameters
+    schema its grammar backend cannot compile for a forced tool_choice): a 400, not a 500."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # pragma: no cover - a replica always has vLLM
+        return None
+    cause = exc if isinstance(exc, VLLMClientError) else getattr(exc, "cause", None)
+    if not isinstance(cause, VLLMClientError):
+        return None
+    message = " ".join(str(cause.args[0] if cause.args else cause).split())[:500]
+    return bad_request(f"the engine refused the request: {message}", param=getattr(cause, "parameter", None),
+                       code="engine_rejected_request")
 
 
 def _key_reused(key: str) -> ServiceError:

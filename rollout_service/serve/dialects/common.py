@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Header
+from fastapi import Header, Request
 from pydantic import BaseModel
 
 from rollout_service.protocol.openai import ServiceError, bad_request
@@ -55,6 +56,26 @@ def rollout_headers(
     return RolloutHeaders(rid if rid is not None else sid, policy, idempotency_key)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+async def unicode_body(request: Request) -> None:
+    """A JSON string can spell a lone UTF-16 surrogate (``"\\ud800"``): valid JSON, but no text —
+    it cannot be tokenized, stored, hashed or even quoted back in an error. 400 before anything
+    uses it. Only a body that spells a surrogate at all (an emoji from an ``ensure_ascii`` client
+    spells a pair) pays for the full check. An app-wide dependency (FastAPI caches the body)."""
+    body = await request.body()
+    if not _SURROGATE_ESCAPE.search(body):
+        return
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise bad_request("the request body contains a lone UTF-16 surrogate (\\ud800-\\udfff without its pair), "
+                          "which is not text", code="invalid_unicode") from None
+    except (ValueError, RecursionError):  # not JSON (or too deep to re-check): the body's own validation decides
+        pass
+
+
 def _valid_rollout_id(value: Any, param: str) -> str:
     try:
         return validate_rollout_id(value)
@@ -95,8 +116,9 @@ def tool_choice_of(raw: Any, tools: list[dict[str, Any]] | None, *, param: str =
                 raise bad_request("allowed_tools needs mode 'auto' or 'required' and a non-empty list of tools", param=param)
             allowed = []
             for i, t in enumerate(listed):
-                name = t.get("name") or (t.get("function") or {}).get("name") if isinstance(t, dict) else None
-                if not isinstance(t, dict) or t.get("type") != "function" or name not in names:
+                fn = t.get("function") if isinstance(t, dict) else None
+                name = (t.get("name") or (fn.get("name") if isinstance(fn, dict) else None)) if isinstance(t, dict) else None
+                if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(name, str) or name not in names:
                     raise bad_request(f"allowed_tools.tools[{i}] must be a function tool named in tools", param=param)
                 allowed.append(name)
             return ToolChoice("required" if mode == "required" else "auto", allowed=tuple(dict.fromkeys(allowed)))

@@ -1,0 +1,80 @@
+"""The Responses stream follows OpenAI's event sequence, checked by the openai SDK's own stream reader."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from serve_helpers import MODEL, WEATHER_TOOL
+
+pytestmark = pytest.mark.serve
+
+TOOL = {"type": "function", **{k: WEATHER_TOOL["function"][k] for k in ("name", "description", "parameters")}}
+
+
+def _events(openai_client, **kwargs):
+    """Every event, read through ``responses.stream`` (it raises on unknown items, reused indices,
+    item identities that change between added and done, or a completion with unfinished items)."""
+    with openai_client.responses.stream(model=MODEL, extra_headers={"X-Rollout-Id": f"rs-{uuid.uuid4().hex[:8]}"},
+                                        **kwargs) as stream:
+        return list(stream)
+
+
+def _check_sequence(events):
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    ids = {e.response.id for e in events if hasattr(e, "response")}
+    assert len(ids) == 1
+    final = events[-1].response
+    items = {}
+    for e in events[2:-1]:
+        if e.type == "response.output_item.added":
+            assert e.output_index == len(items) and e.item.status == "in_progress"
+            items[e.output_index] = {"id": e.item.id, "type": e.item.type, "text": "", "events": []}
+        else:
+            item = items[e.output_index]
+            item["events"].append(e.type)
+            if hasattr(e, "item_id"):
+                assert e.item_id == item["id"]
+            if e.type.endswith(".delta"):
+                item["text"] += e.delta
+            if e.type in ("response.output_text.done", "response.reasoning_text.done"):
+                assert e.text == item["text"]
+            if e.type == "response.function_call_arguments.done":
+                assert e.arguments == item["text"]
+    assert [it["id"] for it in items.values()] == [o.id for o in final.output]
+    for index, item in items.items():
+        ev = item["events"]
+        assert ev[-1] == "response.output_item.done", ev
+        if item["type"] in ("message", "reasoning"):
+            kind = "output_text" if item["type"] == "message" else "reasoning_text"
+            assert ev[0] == "response.content_part.added" and ev[-3:] == [
+                f"response.{kind}.done", "response.content_part.done", "response.output_item.done"], ev
+            assert all(t == f"response.{kind}.delta" for t in ev[1:-3]), ev
+            assert final.output[index].content[0].text == item["text"]
+        else:
+            assert ev == ["response.function_call_arguments.delta", "response.function_call_arguments.done",
+                          "response.output_item.done"], ev
+    return final
+
+
+def test_a_text_answer_cut_by_max_output_tokens_streams_items_and_ends_incomplete(openai_client):
+    events = _events(openai_client, input="tell me a story", max_output_tokens=12, extra_body={"seed": 4})
+    final = _check_sequence(events)
+    assert events[-1].type == "response.incomplete"
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    last = final.output[-1].model_dump()
+    assert len(last["generation_token_ids"]) == 12 and last["rollout"]["turn"] == 1
+    assert sum(e.type.endswith("text.delta") for e in events) >= 2  # the text streamed, not one final blob
+
+
+def test_a_forced_tool_call_streams_a_function_call_item_and_completes(openai_client):
+    events = _events(openai_client, input="weather in Paris?", tools=[TOOL], max_output_tokens=64,
+                     tool_choice={"type": "function", "name": "get_weather"}, extra_body={"seed": 1})
+    final = _check_sequence(events)
+    assert events[-1].type == "response.completed" and final.status == "completed"
+    call = final.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.model_dump()["generation_token_ids"]
