@@ -1,0 +1,74 @@
+"""Streaming text: chunk by chunk, the same reasoning / content as the one-shot parse of the whole answer."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from onpolicy_fixtures import encode, tokenizer
+from rollout_service.onpolicy import parse_output
+from rollout_service.serve.streaming import StreamParser
+
+ANSWERS = [
+    "<think>\nThe user wants weather. Café ☕ first.\n</think>\n\nIt is sunny in Paris, 22°C.",
+    "<think>\nshort</think>Plain answer with émojis 🎉 and\nnewlines\n\n",
+    "<think>\nneed a tool\n</think>\n\nLet me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+    "No reasoning at all, just text <tool_ and more",
+]
+
+
+def _stream(ids, *, chunking, hold, thinking=True):
+    kwargs = {"enable_thinking": thinking}
+    parser = StreamParser(tokenizer(), reasoning_parser="qwen3", chat_template_kwargs=kwargs, prompt_ids=encode(
+        "<|im_start|>assistant\n"), hold_tool_calls=hold)
+    reasoning = content = ""
+    i = 0
+    while i < len(ids):
+        n = chunking()
+        chunk = ids[i:i + n]
+        i += n
+        r, c = parser.push(chunk, finished=i >= len(ids))
+        reasoning += r
+        content += c
+    return reasoning, content
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+@pytest.mark.parametrize("chunk", [1, 3, "random"])
+def test_streamed_text_equals_the_one_shot_parse(answer, chunk):
+    ids = encode(answer) + [151645]  # <|im_end|>
+    rng = random.Random(7)
+    chunking = (lambda: rng.randint(1, 6)) if chunk == "random" else (lambda: chunk)
+    hold = "<tool_call>" in answer
+    reasoning, content = _stream(ids, chunking=chunking, hold=hold)
+    full = parse_output(ids, tokenizer=tokenizer(), reasoning_parser="qwen3", tool_parser="hermes" if hold else None,
+                        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}] if hold else None,
+                        chat_template_kwargs={"enable_thinking": True}, prompt_ids=encode("<|im_start|>assistant\n"))
+    assert reasoning == (full.reasoning_content or "")
+    if hold:  # tool-call text is held back; the calls arrive parsed with the final event
+        assert "<tool_call>" not in content and full.tool_calls
+        assert content == (full.content or "").rstrip("\n")
+    else:
+        assert content == (full.content or "")
+
+
+def test_a_partial_marker_is_held_back_and_released_when_it_is_not_a_tool_call():
+    ids = encode("text <tool_ but not a call")
+    reasoning, content = _stream(ids, chunking=lambda: 1, hold=True, thinking=False)
+    assert content == "text <tool_ but not a call" and reasoning == ""
+
+
+def test_cost_per_chunk_does_not_grow_with_the_answer():
+    """Incremental: the 2,000th token costs what the 20th does (the old path re-parsed everything per chunk)."""
+    ids = encode("word " * 2200)[:2200]
+    parser = StreamParser(tokenizer(), reasoning_parser="qwen3", chat_template_kwargs={"enable_thinking": False},
+                          prompt_ids=[1, 2], hold_tool_calls=True)
+    times = []
+    for t in ids:
+        t0 = time.perf_counter()
+        parser.push([t])
+        times.append(time.perf_counter() - t0)
+    early, late = sorted(times[100:300])[100], sorted(times[1900:2100])[100]
+    assert late < 3 * early + 20e-6, (early, late)
