@@ -7,9 +7,13 @@ fields we do read are typed strictly.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator, model_validator
+
+# The fields we read are typed strictly: a JSON ``true`` is not the integer 1, ``"0.5"`` is not a
+# number, ``1.0`` is not a token id (pydantic's lax mode would coerce each of them silently).
+Number = Annotated[float, Strict()]  # a JSON number (an integer is one too), never a bool or a string
 
 
 class _Lenient(BaseModel):
@@ -66,9 +70,9 @@ class ChatMessage(_Lenient):
     reasoning_content: str | None = None
     reasoning: str | None = None
     # NeMo Gym echo fields (stateless mode)
-    prompt_token_ids: list[int] | None = None
-    generation_token_ids: list[int] | None = None
-    generation_log_probs: list[float] | None = None
+    prompt_token_ids: list[StrictInt] | None = None
+    generation_token_ids: list[StrictInt] | None = None
+    generation_log_probs: list[Number] | None = None
 
     @field_validator("content")
     @classmethod
@@ -121,6 +125,7 @@ class FunctionDef(_Lenient):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
 
 
 class ToolDef(_Lenient):
@@ -152,21 +157,21 @@ class AllowedToolsChoice(_Lenient):
 class SamplingFields(_Lenient):
     """Sampling fields shared by chat, responses and completions (OpenAI + vLLM extras)."""
 
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    max_tokens: int | None = None
+    n: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    max_tokens: StrictInt | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         keys = ("n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
@@ -179,16 +184,18 @@ class ChatCompletionRequest(SamplingFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
-    parallel_tool_calls: bool | None = None
-    max_completion_tokens: int | None = None
-    stream: bool = False
+    # Any other object (a hosted tool's type, a malformed allowed_tools) reaches the one tool_choice
+    # path (serve/dialects/common.tool_choice_of), which names what is wrong: 400 either way.
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | AllowedToolsChoice | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_completion_tokens: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
 
@@ -202,11 +209,11 @@ class ChatCompletionRequest(SamplingFields):
 # ----------------------------------------------------------------------------- completions
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]]
-    stream: bool = False
-    logprobs: int | None = None
-    echo: bool = False
-    return_token_ids: bool | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    stream: StrictBool = False
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    return_token_ids: StrictBool | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -234,14 +241,14 @@ class ResponsesRequest(SamplingFields):
     # "auto" | "none" | "required" | {"type": "function", "name"} | {"type": "allowed_tools", "mode", "tools"};
     # hosted tool types are refused with a 400 (serve/dialects/common.tool_choice_of).
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
-    stream: bool = False
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: StrictInt | None = None
+    stream: StrictBool = False
     reasoning: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     previous_response_id: str | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
 
     @field_validator("input")
     @classmethod
@@ -257,10 +264,10 @@ class TokenizeRequest(_Lenient):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = False
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
     metadata: dict[str, Any] | None = None
 
     @model_validator(mode="after")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rollout_service.protocol.openai import bad_request
+from pydantic import ValidationError
+
+from rollout_service.protocol.openai import FunctionDef, bad_request
 
 ECHO_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
@@ -64,6 +66,8 @@ def input_to_messages(inp: str | list[dict[str, Any]], instructions: str | None 
                 messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "reasoning":
             summary = item.get("content") or item.get("summary") or []
+            if isinstance(summary, list) and any(isinstance(p, dict) and not isinstance(p.get("text", ""), str) for p in summary):
+                raise bad_request(f"{where}: reasoning text parts must be strings", param=f"{where}.summary")
             text = "".join(p.get("text", "") for p in summary if isinstance(p, dict)) if isinstance(summary, list) else str(summary)
             msg = assistant()
             msg["reasoning_content"] = (msg.get("reasoning_content") or "") + text
@@ -85,12 +89,16 @@ def input_to_messages(inp: str | list[dict[str, Any]], instructions: str | None 
                              "content": out if isinstance(out, str) else json.dumps(out)})
         else:
             raise bad_request(f"{where}.type {kind!r} is not supported", param=f"{where}.type")
-        # Echo fields on a model item belong to the assistant turn it is part of.
-        if kind in ("message", "reasoning", "function_call") and any(k in item for k in ECHO_FIELDS):
-            if messages and messages[-1]["role"] == "assistant":
-                for k in ECHO_FIELDS:
-                    if k in item:
-                        messages[-1][k] = item[k]
+        # Echo fields on a model item belong to the assistant turn it is part of (and nowhere else).
+        model_item = kind in ("message", "reasoning", "function_call") and messages[-1]["role"] == "assistant"
+        echoed = [k for k in ECHO_FIELDS if item.get(k) is not None]
+        if echoed and not model_item:
+            raise bad_request(f"{where}: echoed token data belongs on the model's output items (assistant message, "
+                              "reasoning, function_call)", param=f"{where}.{echoed[0]}", code="invalid_echo")
+        if model_item and any(k in item for k in ECHO_FIELDS):
+            for k in ECHO_FIELDS:
+                if k in item:
+                    messages[-1][k] = item[k]
     for m in messages:
         m.pop("_closed", None)
     if not messages or all(m["role"] == "system" for m in messages):
@@ -107,8 +115,14 @@ def tools_to_chat(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | 
         if not isinstance(t, dict) or t.get("type") != "function":
             raise bad_request(f"tools[{i}]: only function tools are supported", param=f"tools[{i}]")
         fn = t.get("function") or {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_request(f"tools[{i}].name is required", param=f"tools[{i}].name")
+        try:  # the chat shape's rules: the template and the output parsers take these as typed
+            FunctionDef.model_validate(fn)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise bad_request(f"tools[{i}].{where}: {err['msg']}", param=f"tools[{i}].{where}") from None
         out.append({"type": "function", "function": fn})
     return out
 
