@@ -252,12 +252,31 @@ async def test_concurrent_refit_is_rejected_and_new_requests_wait_for_the_refit(
 
 
 async def test_nccl_round_that_fails_in_the_worker_resumes_engines_and_releases_the_lock(
-    controller, engine, client, base_weights
+    controller, engine, client, base_weights, tiny_model_dir
 ):
-    # The GPU path's control plane on a real engine: this CPU engine has no NCCL weight-transfer
-    # engine configured, so vLLM's worker refuses start_weight_update after the controller paused.
-    with pytest.raises(Exception, match="weight_transfer_config|weight transfer"):
-        await controller.nccl_start_weight_update.remote()
-    assert not await engine.is_paused.remote()
-    assert not (await controller.stats.remote())["refitting"]
+    # The GPU path's control plane on a real engine: a controller configured as a GPU service
+    # (refit.backend nccl) drives this CPU engine, which has no NCCL weight-transfer engine, so
+    # vLLM's own worker refuses the calls: the init, then start_weight_update after the pause.
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.refit.controller import RefitController
+
+    gpu_service = RolloutServiceConfig.model_validate(
+        {"engine": {"model": str(tiny_model_dir), "device": "cuda"}, "refit": {"backend": "nccl", "step_timeout_s": 60}})
+    nccl = ray.remote(RefitController).options(num_cpus=0, max_concurrency=100).remote(
+        gpu_service.model_dump(), controller.fleet_handle)
+    try:
+        info = worker_init_payload(NCCLWeightTransferInitInfo(master_address="127.0.0.1", master_port=29500,
+                                                              rank_offset=1, world_size=2))
+        refused = "Please set weight_transfer_config"  # vLLM's Worker._check_weight_transfer_engine
+        with pytest.raises(Exception, match=refused):
+            await nccl.nccl_init_weight_transfer_engine.remote(info)
+        with pytest.raises(Exception, match=refused):
+            await nccl.nccl_start_weight_update.remote()
+        assert not await engine.is_paused.remote()
+        assert not (await nccl.stats.remote())["refitting"]
+        assert not (await controller.fleet_handle.stats.remote())["refitting"]
+    finally:
+        ray.kill(nccl)
     assert (await asyncio.to_thread(client.refit, "10", perturbed(base_weights, seed=10)))["ok"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import pickle
 import subprocess
@@ -53,7 +54,11 @@ def _receiver(port, plan_json, q):
     try:
         group = open_group("127.0.0.1", port, 2, 1, "t", 30)
         got, _ = receive_buckets(group, BucketPlan.from_json(plan_json))
-        q.put(("ok", {n: t.clone() for n, t in got}))
+        # As bytes: a tensor put on a Queue travels as a shared-memory fd that the parent can only
+        # open while this process lives, and it exits right after (FileNotFoundError in the parent).
+        buffer = io.BytesIO()
+        torch.save({n: t.clone() for n, t in got}, buffer)
+        q.put(("ok", buffer.getvalue()))
     except TransferAborted as exc:
         q.put(("aborted", str(exc)))
     except Exception as exc:  # pragma: no cover - surfaced by the assertion in the test
@@ -88,9 +93,11 @@ def _run(fail_after: int | None, sd=None):
         send_buckets(group, sd, plan, on_bucket=on_bucket)
     except (RuntimeError, KeyError) as exc:
         err = exc
-    result = q.get(timeout=60)
+    status, payload = q.get(timeout=60)
     p.join(30)
-    return sd, plan, result, err
+    if status == "ok":
+        payload = torch.load(io.BytesIO(payload))
+    return sd, plan, (status, payload), err
 
 
 def test_broadcast_over_a_dedicated_gloo_group_delivers_exact_tensors():

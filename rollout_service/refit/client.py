@@ -155,10 +155,10 @@ class TrainerClient:
         settings = self.settings()
         backend, host, port, timeout = self._weight_sync_args(backend or settings.backend, host, port,
                                                               timeout_s or settings.timeout_s)
+        self._group = self._nccl = None  # one transport at a time: the new one replaces the old
         if backend == "nccl":
             world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
             return self._init_nccl(host, port, timeout, world, settings.bucket_bytes)
-        self._group = None
         world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
         name, t0 = _group_name(), time.perf_counter()
         ranks_ref = self.controller.init_weight_sync.remote(host, port, name, timeout)
@@ -180,11 +180,11 @@ class TrainerClient:
         settings = await self.asettings()
         backend, host, port, timeout = await asyncio.to_thread(
             self._weight_sync_args, backend or settings.backend, host, port, timeout_s or settings.timeout_s)
+        self._group = self._nccl = None  # one transport at a time: the new one replaces the old
         if backend == "nccl":  # pragma: no cover - GPU only
             world = await _aget(self.controller.weight_sync_world_size.remote(), timeout)
             # vLLM's trainer engine is synchronous: its controller calls block that thread, not the loop.
             return await asyncio.to_thread(self._init_nccl, host, port, timeout, world, settings.bucket_bytes)
-        self._group = None
         world = await _aget(self.controller.weight_sync_world_size.remote(), timeout)
         name, t0 = _group_name(), time.perf_counter()
         ranks_ref = self.controller.init_weight_sync.remote(host, port, name, timeout)
