@@ -1,4 +1,4 @@
-"""``rollout-service`` command line: build-tiny-model, up, demo."""
+"""``rollout-service`` command line: build-tiny-model, up, demo, status."""
 
 from __future__ import annotations
 
@@ -26,6 +26,68 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(base_url=args.url, turns=args.turns, api_key=args.api_key)
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    """``GET /v1/status`` as a table (or ``--json``). Exit 0: every part read and an engine serves;
+    1: degraded (a part unreadable, or no engine serving); 2: the service did not answer."""
+    import json
+    import os
+
+    import httpx
+
+    key = args.api_key or os.environ.get("ROLLOUT_SERVICE_API_KEY")
+    url = args.url.rstrip("/")
+    try:
+        r = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {key}"} if key else {},
+                      timeout=args.timeout)
+    except httpx.HTTPError as exc:
+        print(f"rollout-service status: {url} did not answer: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if r.status_code != 200:
+        print(f"rollout-service status: {url}/v1/status answered {r.status_code}: {r.text[:500]}", file=sys.stderr)
+        return 2
+    status = r.json()
+    print(json.dumps(status, indent=2) if args.json else format_status(status, url))
+    serving = [e for e in status.get("engines", []) if e.get("state") in ("healthy", "suspect")]
+    return 0 if serving and not status.get("errors") else 1
+
+
+def format_status(status: dict, url: str) -> str:
+    """The human-readable status: a header line, one row per engine, the last refit, the store."""
+    import datetime
+
+    def cell(v) -> str:
+        return "-" if v is None or v == "" else str(v)
+
+    lines = [f"rollout-service at {url}: model {cell(status.get('model'))}, weight version "
+             f"{cell(status.get('weight_version'))}, fleet epoch {cell(status.get('fleet_epoch'))}"
+             + (", refit running" if status.get("refitting") else "")]
+    header = ("ENGINE", "STATE", "VERSION", "IN FLIGHT", "GENERATION", "REPLACEMENTS", "LAST ERROR")
+    rows = [tuple(cell(e.get(k)) for k in ("slot", "state", "weight_version", "in_flight", "generation",
+                                            "replacements", "last_error")) for e in status.get("engines", [])]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines.append("")
+    for row in [header, *rows]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1][:80])
+    if not rows:
+        lines.append("(no engine)")
+    lines.append("")
+    last, counts = status.get("last_refit"), status.get("refits") or {}
+    tally = f"{counts.get('committed', 0)} committed, {counts.get('not_committed', 0)} not committed"
+    if last:
+        when = last.get("ended_at") or last.get("started_at")
+        at = datetime.datetime.fromtimestamp(when).isoformat(sep=" ", timespec="seconds") if when else "-"
+        took = f", {last['duration_s']:.2f} s" if last.get("duration_s") is not None else ""
+        lines.append(f"last refit: {last.get('outcome')} {cell(last.get('from_version'))} -> "
+                     f"{cell(last.get('version'))} at {at}{took} ({tally} since the fleet started)")
+    else:
+        lines.append("last refit: none since the fleet started")
+    ro = status.get("rollouts") or {}
+    lines.append(f"stored rollouts: {cell(ro.get('stored'))} (key prefix {cell(ro.get('key_prefix'))})")
+    for part, err in (status.get("errors") or {}).items():
+        lines.append(f"error reading {part}: {err}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout-service", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -49,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--turns", type=int, default=4)
     d.add_argument("--api-key", default=None)
     d.set_defaults(func=_cmd_demo)
+
+    s = sub.add_parser("status", help="engines, the last refit and stored rollouts of a running service")
+    s.add_argument("--url", default="http://127.0.0.1:8000")
+    s.add_argument("--json", action="store_true", help="print the GET /v1/status document")
+    s.add_argument("--api-key", default=None, help="default: $ROLLOUT_SERVICE_API_KEY")
+    s.add_argument("--timeout", type=float, default=60.0)
+    s.set_defaults(func=_cmd_status)
     return p
 
 

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Idempotent set-up for a fresh machine: redis-server (apt), the venv with .[cpu,dev], the tiny model.
+# Idempotent set-up for a fresh machine: redis-server and chromium (apt; chromium renders the
+# trajectory viewer in tests/test_serve_viewer.py), the venv with .[cpu,dev], the tiny model.
 # Re-running skips what is already done (the venv is re-installed when pyproject.toml changes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "[setup] installing redis-server (apt)"
+missing=""
+command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+if [ -n "$missing" ]; then
+  echo "[setup] installing$missing (apt)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  # shellcheck disable=SC2086
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 
 stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)

@@ -99,6 +99,9 @@ class EngineFleet:
         self._dependents: list[Any] = []
         self._config_lock = asyncio.Lock()
         self._watch_task: asyncio.Task | None = None
+        # The last refit bracket, for operators (``stats()``, ``GET /v1/status``); kept across restarts.
+        self._last_refit: dict[str, Any] | None = None
+        self._refits = {"committed": 0, "not_committed": 0}
 
     def _init_state(self) -> None:
         ec = self.config.engine
@@ -284,6 +287,8 @@ class EngineFleet:
             raise RuntimeError("a refit is already bracketed on the fleet")
         self.health.begin_refit()
         self._refit_deadline = time.monotonic() + lease_s
+        self._last_refit = {"outcome": "running", "from_version": self.health.current_version, "version": None,
+                            "started_at": time.time(), "ended_at": None, "duration_s": None}
         exporting = self.weights.exporting
         if exporting is not None and not exporting.done():
             exporting.cancel()  # an export must not race the refit's load
@@ -295,11 +300,25 @@ class EngineFleet:
         before = self.health.epoch
         if version is not None and version != self.health.current_version:
             self.weights = _Weights(version=version, path=path)
+        if self.health.refitting:
+            self._record_refit_end(version)
         self.health.end_refit(version)
         if self.weights.path is None and self.weights.ref is None and self.config.fleet.keep_weights_copy:
             self._start_export()
         await self._publish(before)
         return self._view()
+
+    def _record_refit_end(self, version: str | None) -> None:
+        """``committed`` (the bracket ended on a new version) or ``not_committed`` (the refit failed or
+        was abandoned: nothing changed); ``lease_expired`` when the fleet ended it for a lost controller."""
+        last = self._last_refit or {"from_version": None, "started_at": None}
+        now = time.time()
+        expired = time.monotonic() > self._refit_deadline
+        outcome = "committed" if version is not None else ("lease_expired" if expired else "not_committed")
+        self._refits["committed" if version is not None else "not_committed"] += 1
+        started = last.get("started_at")
+        self._last_refit = {**last, "outcome": outcome, "version": version, "ended_at": now,
+                            "duration_s": round(now - started, 3) if started else None}
 
     # ------------------------------------------------------------------ stats
     async def stats(self) -> dict[str, Any]:
@@ -317,6 +336,8 @@ class EngineFleet:
             "startup_s": self._startup_s,
             "weights_source": "path" if w.path else ("object_store" if w.ref is not None else "peer"),
             "apps": sorted(self._apps),
+            "last_refit": dict(self._last_refit) if self._last_refit else None,
+            "refits": dict(self._refits),
         }
 
     def engine_config(self) -> dict:

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -211,6 +211,11 @@ def _unexpected(exc: Exception) -> tuple[int, dict[str, Any]]:
         logger.exception("unhandled error", exc_info=exc)
         err = ServiceError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error")
     return err.status, err.envelope()
+
+
+# The viewer's page loads nothing and runs nothing: token text is escaped, and this makes sure.
+_VIEWER_HEADERS = {"content-security-policy": "default-src 'none'; style-src 'unsafe-inline'",
+                   "x-content-type-options": "nosniff"}
 
 
 def _path_rollout_id(rollout_id: str) -> str:
@@ -417,6 +422,44 @@ class RolloutService:
     @fastapi_app.delete("/v1/rollouts/{rollout_id}")
     async def delete_rollout(self, rollout_id: str):
         return JSONResponse(await self._on_owner(_path_rollout_id(rollout_id), "delete_rollout", {"rollout_id": rollout_id}))
+
+    @fastapi_app.get("/rollouts/{rollout_id}/view")
+    async def view_rollout(self, rollout_id: str):
+        """The trajectory viewer: one self-contained page; the policy forbids anything external or scripted."""
+        page = await self._on_owner(_path_rollout_id(rollout_id), "view_rollout", {"rollout_id": rollout_id})
+        return HTMLResponse(page, headers=_VIEWER_HEADERS)
+
+    @fastapi_app.get("/v1/status")
+    async def status(self):
+        """Operator's view (``rollout-service status``): engines, the last refit, stored rollouts.
+
+        Any replica answers. A part that cannot be read (fleet or store down) is reported in
+        ``errors`` and the rest is still returned: a status page must work when things are broken."""
+        runner = await self._runner_or_503()
+        errors: dict[str, str] = {}
+        fleet: dict[str, Any] = {}
+        try:
+            fleet = await asyncio.wait_for(runner.fleet.fleet.stats.remote(), timeout=15)
+        except Exception as exc:
+            errors["fleet"] = f"{type(exc).__name__}: {exc}"[:300]
+        stored = None
+        try:
+            stored = await asyncio.wait_for(runner.count_rollouts(), timeout=30)
+        except Exception as exc:
+            errors["store"] = f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"[:300]
+        engines = [{"slot": s.get("slot"), "state": s.get("state"), "weight_version": s.get("weight_version"),
+                    "in_flight": s.get("load", 0), "generation": s.get("generation"),
+                    "replacements": s.get("replacements", 0), "last_error": s.get("last_error"),
+                    "node_id": s.get("node_id")} for s in fleet.get("slots", [])]
+        return JSONResponse({
+            "object": "service.status", "model": self.served_name, "replica": self.replica_id,
+            "weight_version": fleet.get("weight_version"), "fleet_epoch": fleet.get("epoch"),
+            "refitting": fleet.get("refitting"), "engines": engines,
+            "last_refit": fleet.get("last_refit"), "refits": fleet.get("refits"),
+            "rollouts": {"stored": stored, "key_prefix": self.config.store.key_prefix,
+                         "in_flight_on_replica": len(runner.in_flight)},
+            "errors": errors,
+        })
 
     @fastapi_app.get("/v1/models")
     async def models(self):

@@ -37,7 +37,7 @@ from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_tur
 from rollout_service.onpolicy.trajectory import trajectory_export
 from rollout_service.onpolicy.echo import _checked_echo
 from rollout_service.onpolicy.errors import InvalidEcho
-from rollout_service.onpolicy.types import RolloutState, WeightSpan
+from rollout_service.onpolicy.types import RolloutState, Segment, WeightSpan
 from rollout_service.protocol.openai import ServiceError, bad_request
 from rollout_service.serve.streaming import StreamParser
 from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnRequest, TurnResult
@@ -160,6 +160,30 @@ class TurnRunner:
 
     async def get_rollout(self, rollout_id: str) -> dict[str, Any]:
         return trajectory_export(await self._stored(rollout_id, self.store.load))
+
+    async def view_rollout(self, rollout_id: str) -> str:
+        """The rollout as one self-contained HTML page (``serve/viewer.py``), rendered off the event
+        loop: a long rollout is tens of thousands of token spans and must not stall the turns. The
+        thread gets a copy: the state cache advances its states in place when a turn is appended."""
+        from rollout_service.serve.viewer import render_trajectory_html
+
+        state = await self._stored(rollout_id, self.store.load)
+        snapshot = RolloutState(state.rollout_id, state.turn, [
+            Segment(list(s.token_ids), list(s.loss_mask), list(s.logprobs), list(s.turns), list(s.messages),
+                    dict(s.render_context)) for s in state.segments])
+        return await asyncio.to_thread(render_trajectory_html, snapshot, self.tokenizer,
+                                       reasoning_policy=self.config.service.reasoning_policy)
+
+    async def count_rollouts(self) -> int | None:
+        """Rollouts in the durable store under our key prefix (None: the store cannot count)."""
+        store = getattr(self.store, "inner", self.store)  # past the replica's state cache
+        count = getattr(store, "count_rollouts", None)
+        if count is None:
+            return None
+        try:
+            return await count()
+        except StoreError as exc:
+            raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
 
     async def delete_rollout(self, rollout_id: str) -> dict[str, Any]:
         await self._stored(rollout_id, self.store.delete)

@@ -336,6 +336,17 @@ class RedisRolloutStore:
             return None
         return float("inf") if ms == -1 else ms / 1000.0
 
+    async def count_rollouts(self) -> int:
+        """Stored rollouts under this key prefix: one ``meta`` hash each, counted with SCAN (every
+        primary of a cluster). O(keys in the database), not O(1) — for status pages, not hot paths.
+        Nothing is kept in a counter because expiry removes rollouts without telling anyone."""
+        pattern = f"{self.key_prefix}:{{*}}:meta"
+        n = 0
+        async with self._translate():
+            async for _ in self.client.scan_iter(match=pattern, count=1000, _type="hash"):
+                n += 1
+        return n
+
     async def ping(self) -> bool:
         """Health probe: False rather than an exception, so readiness checks stay simple."""
         try:
