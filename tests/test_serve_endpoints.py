@@ -120,3 +120,35 @@ def test_responses_stream_cut_by_max_output_tokens_ends_incomplete(openai_client
     assert len(last["generation_token_ids"]) == 10 and last["rollout"]["turn"] == 1
     deltas = "".join(getattr(e, "delta", "") for e in events if e.type.endswith(".delta"))
     assert deltas  # text streamed before the final event
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_engine_request(service):
+    """Dropping the HTTP stream stops the generation (the engine's in-flight count returns to 0)
+    long before the 900 tokens it asked for would have been generated."""
+    import time
+    import uuid
+
+    import httpx
+    import ray
+
+    from rollout_service.fleet.fleet import get_fleet, fleet_name
+
+    fleet = get_fleet(fleet_name(service.config.service.instance_name))
+    engines = ray.get(fleet.view.remote()).handles()
+
+    def in_flight() -> int:
+        return sum(ray.get([e.num_in_flight.remote() for e in engines]))
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a very long story"}], "max_tokens": 900,
+            "ignore_eos": True, "stream": True, "seed": 1}
+    with httpx.Client(base_url=service.url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body,
+                           headers={"X-Rollout-Id": f"gone-{uuid.uuid4().hex[:8]}"}) as r:
+            for line in r.iter_lines():
+                if '"token_ids"' in line or '"content"' in line:
+                    break
+            assert in_flight() >= 1
+    deadline = time.monotonic() + 20
+    while in_flight() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert in_flight() == 0

@@ -413,16 +413,21 @@ class TurnRunner:
             request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens)
             produced = False
             self.fleet.acquire(member)
+            call = None
+            done = False
             try:
                 if not stream:
-                    chunk = await member.handle.generate_all.remote(request)
-                    produced = True
+                    call = member.handle.generate_all.remote(request)
+                    chunk = await call
+                    done = produced = True
                     yield chunk
                     return
-                async for ref in member.handle.generate.options(num_returns="streaming").remote(request):
+                call = member.handle.generate.options(num_returns="streaming").remote(request)
+                async for ref in call:
                     chunk = await ref
                     produced = True
                     yield chunk
+                done = True
                 return
             except Exception as exc:
                 refused = _engine_refusal(exc)
@@ -440,6 +445,20 @@ class TurnRunner:
                                    type="service_unavailable", code="engine_lost") from None
             finally:
                 self.fleet.release(member)
+                if call is not None and not done:
+                    _cancel(call)
+
+
+def _cancel(call) -> None:
+    """Stop an engine call nobody waits for any more (client gone, call cancelled): dropping a Ray
+    streaming generator does not stop the actor's generator, ``ray.cancel`` does, and the engine
+    then aborts the vLLM request."""
+    import ray
+
+    try:
+        ray.cancel(call)
+    except Exception:  # already finished, or the actor is gone
+        pass
 
 
 def _vocab_size(config: RolloutServiceConfig, tokenizer) -> int:
