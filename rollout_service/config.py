@@ -18,6 +18,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+def _looks_like_jinja(value: str) -> bool:
+    """vLLM's rule for `--chat-template`: a value with any of these characters is the template itself."""
+    return any(c in value for c in "{}\n")
+
+
 class EngineConfig(_Strict):
     """One vLLM engine replica (``AsyncLLM``) and how many of them to run."""
 
@@ -89,6 +94,15 @@ class EngineConfig(_Strict):
     )
     reasoning_parser: str | None = Field("qwen3", description="vLLM reasoning parser name (None: no reasoning split).")
     tool_parser: str | None = Field("hermes", description="vLLM tool-call parser name (None: no tool parsing).")
+    chat_template: str | None = Field(
+        None,
+        description="Chat template to serve the model with instead of its tokenizer's (like vLLM's `--chat-template`): "
+        "a file path, or the Jinja source inline (a value with `{`, `}` or a newline in it). Read once when the app "
+        "starts; prompt ids, the tail between turns, /tokenize and the check that every message shows in the prompt "
+        "all render with it. The engine "
+        "never sees it (it gets token ids): changing it redeploys the app without restarting the engines. A path "
+        "that does not exist is a config error.",
+    )
     compact_structured_json: bool = Field(
         True,
         description="Structured outputs (forced tool calls) emit compact JSON (xgrammar, no free whitespace); "
@@ -125,6 +139,27 @@ class EngineConfig(_Strict):
         if self.served_model_name:
             return self.served_model_name
         return Path(self.resolved_model()).name or self.resolved_model()
+
+    def resolved_chat_template(self) -> str | None:
+        """The template's Jinja source (None: the tokenizer's own)."""
+        if self.chat_template is None or _looks_like_jinja(self.chat_template):
+            return self.chat_template
+        return Path(self.chat_template).expanduser().read_text()
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str | None) -> str | None:
+        if v is None or _looks_like_jinja(v):
+            return v
+        if not v.strip():
+            raise ValueError("chat_template: empty (leave it out to use the tokenizer's template)")
+        path = Path(v).expanduser()
+        if not path.is_file():
+            raise ValueError(
+                f"chat_template: {v!r} is neither an existing file nor inline Jinja (inline templates contain "
+                "'{', '}' or a newline)"
+            )
+        return v
 
     @field_validator("bundle_resources")
     @classmethod

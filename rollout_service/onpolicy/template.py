@@ -23,6 +23,8 @@ full history and raises if the two tails differ (the tests run with it on every 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from rollout_service.onpolicy.errors import UnsupportedConversation
@@ -49,7 +51,7 @@ class ChatTemplate:
     def __init__(
         self,
         tokenizer: Any,
-        template: str | None = None,
+        template: str | os.PathLike | None = None,
         *,
         template_vars: dict[str, Any] | None = None,
         check_window: bool = False,
@@ -57,6 +59,8 @@ class ChatTemplate:
     ):
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
+        if isinstance(template, os.PathLike):
+            template = Path(template).read_text()
         source = template if template is not None else tokenizer.chat_template
         if isinstance(source, dict):
             source = source.get("default") or next(iter(source.values()))

@@ -62,13 +62,23 @@ class _InFlight:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def _chat_template(config: RolloutServiceConfig, tokenizer) -> ChatTemplate:
+    """The tokenizer's template, or engine.chat_template (read once, here) in its place."""
+    source = config.engine.resolved_chat_template()
+    if source is None:
+        return ChatTemplate(tokenizer)
+    given = config.engine.chat_template
+    name = "engine.chat_template" if source is given else given.rsplit("/", 1)[-1]
+    return ChatTemplate(tokenizer, source, name=name)
+
+
 class TurnRunner:
     def __init__(self, config: RolloutServiceConfig, fleet: FleetClient, store, tokenizer):
         self.config = config
         self.fleet = fleet
         self.store = store
         self.tokenizer = tokenizer
-        self.template = ChatTemplate(tokenizer)
+        self.template = _chat_template(config, tokenizer)
         self.vocab_size = _vocab_size(config, tokenizer)
         self.max_model_len = config.engine.max_model_len
         self.in_flight: dict[str, _InFlight] = {}
