@@ -63,7 +63,7 @@ class DataPlane:
             "message": copy.deepcopy(assistant),
             "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans],
             "rollout": {"id": self.state.rollout_id, "turn": delta.turn, "segment": delta.segment_index,
-                        "monotonic": plan.monotonic},
+                        "monotonic": plan.monotonic, "constrained": False},
             "usage": {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(gen_ids),
                       "total_tokens": len(plan.prompt_ids) + len(gen_ids)},
         }
@@ -105,7 +105,7 @@ def float32(answer: dict) -> dict:
 def test_every_stored_call_replays_its_exact_answer():
     dp = tool_rollout()
     assert [len(dp.state.segments), dp.state.turn] == [2, 5]
-    assert dp.answers[3]["rollout"] == {"id": "r", "turn": 4, "segment": 1, "monotonic": False}
+    assert dp.answers[3]["rollout"] == {"id": "r", "turn": 4, "segment": 1, "monotonic": False, "constrained": False}
     for k, answer in enumerate(dp.answers, start=1):
         replayed = replay_turn(dp.state, k)
         assert replayed.to_dict() == answer, k

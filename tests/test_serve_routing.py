@@ -44,7 +44,7 @@ def test_the_proxy_routes_rollout_ids_straight_to_the_owner_and_aliases_reach_th
             owners.setdefault(rid, r.headers["x-rollout-owner"])
             assert r.headers["x-rollout-owner"] == owners[rid], f"{rid} ran on two replicas"
             rollout = r.json()["choices"][0]["message"]["rollout"]
-            assert rollout == {"id": rid, "turn": turn, "segment": 0, "monotonic": True, "replayed": False}
+            assert rollout == {"id": rid, "turn": turn, "segment": 0, "monotonic": True, "constrained": False, "replayed": False}
             messages = _next(messages, r, turn)
     assert len(set(owners.values())) == 2, "the rollouts should spread over both replicas"
     assert forwarded >= 1, "calls without X-Rollout-Id land anywhere and must have been forwarded to the owner"
@@ -61,7 +61,7 @@ def test_responses_with_the_rollout_id_in_metadata_continue_the_rollout(http, op
         input=[{"role": "user", "content": "hello"}, {"role": "assistant", "content": text},
                {"role": "user", "content": "more"}])
     assert second.output[-1].model_dump()["rollout"] == {"id": rid, "turn": 2, "segment": 0, "monotonic": True,
-                                                         "replayed": False}
+                                                         "constrained": False, "replayed": False}
 
 
 def test_different_ids_in_the_two_headers_are_refused(http):

@@ -29,10 +29,17 @@ def test_a_record_without_replay_data_encodes_as_before():
 
 def test_unknown_record_fields_from_newer_code_are_ignored():
     doc = {**json.loads(OLD_RECORD), "answer": {"message": {"role": "assistant", "content": "x"}, "stop_reason": None},
-           "constrained": True}
+           "sampled_by": "a future field"}
     rec = TurnRecord.from_dict(doc)
     assert rec.answer == {"message": {"role": "assistant", "content": "x"}, "stop_reason": None}
-    assert not hasattr(rec, "constrained")
+    assert not hasattr(rec, "sampled_by")
+
+
+def test_constrained_is_stored_only_when_true_and_read_back():
+    rec = TurnRecord.from_dict(json.loads(OLD_RECORD))
+    assert rec.constrained is False and "constrained" not in rec.to_dict()
+    rec.constrained = True
+    assert TurnRecord.from_dict(json.loads(json.dumps(rec.to_dict()))).constrained is True
 
 
 def test_decoded_delta_is_what_a_reload_shows_and_shares_nothing():

@@ -70,10 +70,12 @@ class ReplayedTurn:
     request_digest: str | None = None
     idempotency_key: str | None = None
     usage: dict[str, int] = field(default_factory=dict)
+    constrained: bool = False
 
     @property
     def rollout(self) -> dict[str, Any]:
-        return {"id": self.rollout_id, "turn": self.turn, "segment": self.segment, "monotonic": self.monotonic}
+        return {"id": self.rollout_id, "turn": self.turn, "segment": self.segment, "monotonic": self.monotonic,
+                "constrained": self.constrained}
 
     def to_dict(self) -> dict[str, Any]:
         """The answer fields under the names the data plane's final event uses."""
@@ -118,6 +120,7 @@ def replay_turn(state: RolloutState, turn_number: int) -> ReplayedTurn:
         turn=rec.turn,
         segment=seg_index,
         monotonic=rec.monotonic,
+        constrained=rec.constrained,
         prompt_token_ids=prompt,
         generation_token_ids=gen,
         generation_log_probs=seg.logprobs[rec.gen_start : rec.gen_end],

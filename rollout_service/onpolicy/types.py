@@ -40,6 +40,10 @@ class TurnRecord:
     request_digest: str | None = None  # the data plane's digest of the request; opaque here
     idempotency_key: str | None = None  # the client's Idempotency-Key, when it sent one
     answer: dict[str, Any] | None = None  # {"message": <assistant message as returned>, "stop_reason": ...}
+    # Sampled under a grammar (forced tool_choice, response_format): the logprobs are renormalized
+    # over the tokens the grammar allowed — the true sampling probabilities, but not what a forward
+    # pass without the grammar gives. Trainers mask such turns or treat their ratios specially.
+    constrained: bool = False
 
     def to_dict(self, *, copy_answer: bool = True) -> dict[str, Any]:
         """JSON-ready; optional fields that are None are left out, so a record without replay data
@@ -62,6 +66,8 @@ class TurnRecord:
             d["idempotency_key"] = self.idempotency_key
         if self.answer is not None:
             d["answer"] = copy.deepcopy(self.answer) if copy_answer else self.answer
+        if self.constrained:
+            d["constrained"] = True
         return d
 
     @classmethod

@@ -334,6 +334,7 @@ class TurnRunner:
             delta.record.request_digest = digest
             delta.record.idempotency_key = req.idempotency_key
             delta.record.answer = stored_answer(message, stop_reason=final_chunk.stop_reason)
+            delta.record.constrained = req.tool_choice.forced
         if rollout_id is not None:
             await self._append(rollout_id, delta, expected_turn)
         yield TurnResult(
@@ -341,7 +342,7 @@ class TurnRunner:
             top_logprobs=tops or None, finish_reason=finish_reason, stop_reason=final_chunk.stop_reason, message=message,
             weight_versions=[{"version": v, "start": s, "end": e} for v, s, e in (final_chunk.weight_versions or [])],
             rollout={"id": rollout_id, "turn": delta.turn, "segment": delta.segment_index, "monotonic": plan.monotonic,
-                     "replayed": False} if rollout_id is not None else None,
+                     "constrained": req.tool_choice.forced, "replayed": False} if rollout_id is not None else None,
             engine_index=final_chunk.engine_index,
             token_strs=self.token_strs(ids, tops) if req.want_token_strs else None,
         )
