@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rollout_service.metrics import DEFAULT_METRICS_PORT
+
 
 def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
     from rollout_service.tiny_model import build_tiny_model
@@ -17,7 +19,8 @@ def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from rollout_service.serve.launcher import run_up
 
-    return run_up(host=args.host, port=args.port, config_path=args.config, redis_url=args.redis_url)
+    return run_up(host=args.host, port=args.port, config_path=args.config, redis_url=args.redis_url,
+                  metrics_port=args.metrics_port)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -104,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=8000)
     u.add_argument("--config", default=None, help="YAML with a RolloutServiceConfig (default: tiny CPU model)")
     u.add_argument("--redis-url", default=None, help="use this Redis instead of the embedded one")
+    u.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help=f"Prometheus metrics at http://127.0.0.1:PORT/metrics (Ray's metrics agent; default "
+                        f"{DEFAULT_METRICS_PORT}; 0: a free port Ray picks)")
     u.set_defaults(func=_cmd_up)
 
     d = sub.add_parser("demo", help="drive a multi-turn tool-using rollout against a running service")

@@ -41,11 +41,14 @@ def apply_local_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def start_local_ray(num_cpus: int = 16, address: str | None = None) -> dict[str, Any]:
+def start_local_ray(num_cpus: int = 16, address: str | None = None,
+                    metrics_port: int | None = None) -> dict[str, Any]:
     """Connect to ``address`` (or RAY_ADDRESS) if given, else start a local single-node Ray.
 
     ``num_cpus`` is logical: the engines, affinity replicas and Serve proxy each reserve some, and a
-    2-core machine must still place them all.
+    2-core machine must still place them all. ``metrics_port``: the port Ray's metrics agent serves
+    Prometheus text on (``/metrics``: Ray's, Serve's, vLLM's and the service's metrics; see
+    :func:`metrics_url`); None lets Ray pick one. A cluster this process only connects to keeps its own.
     """
     apply_ray_env()
     import ray
@@ -55,7 +58,7 @@ def start_local_ray(num_cpus: int = 16, address: str | None = None) -> dict[str,
     on_main_thread = threading.current_thread() is threading.main_thread()
     sigterm_handler = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     try:
-        return _init_ray(num_cpus, address)
+        return _init_ray(num_cpus, address, metrics_port)
     finally:
         if sigterm_handler is not None:  # None: not set from Python, nothing to give back
             _restore_sigterm(sigterm_handler)
@@ -77,10 +80,12 @@ def _restore_sigterm(previous) -> None:
     signal.signal(signal.SIGTERM, rays if keep_rays else previous)
 
 
-def _init_ray(num_cpus: int, address: str | None) -> dict[str, Any]:
+def _init_ray(num_cpus: int, address: str | None, metrics_port: int | None = None) -> dict[str, Any]:
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
+    if metrics_port and not address:
+        _check_port_free(metrics_port, "metrics")
     if address:
         ctx = ray.init(address=address, namespace="rollout-service", ignore_reinit_error=True)
     else:
@@ -97,6 +102,7 @@ def _init_ray(num_cpus: int, address: str | None) -> dict[str, Any]:
                     namespace="rollout-service",
                     runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV}},
                     logging_level="WARNING",
+                    _metrics_export_port=metrics_port or None,
                 )
                 break
             except Exception:
@@ -104,6 +110,32 @@ def _init_ray(num_cpus: int, address: str | None) -> dict[str, Any]:
                     raise
                 ray.shutdown()
     return {"address": ctx.address_info.get("gcs_address")}
+
+
+def _check_port_free(port: int, what: str) -> None:
+    """A taken port is refused here, naming it, not left to Ray's metrics agent (a process on its node)."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise RuntimeError(f"{what} port {port} is in use ({exc.strerror}): choose another "
+                               f"(rollout-service up --{what}-port PORT)") from None
+
+
+def metrics_url() -> str | None:
+    """``http://<node>:<port>/metrics`` of the Ray node this process runs on (Ray initialized), from
+    the port its metrics agent reported; None if it has none."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == here and node.get("Alive"):
+            port = node.get("MetricsExportPort")
+            if port and int(port) > 0:
+                return f"http://{node.get('NodeManagerAddress')}:{port}/metrics"
+    return None
 
 
 class ProcessId(NamedTuple):

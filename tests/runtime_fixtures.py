@@ -36,7 +36,8 @@ def tiny_tokenizer(tiny_model_dir):
 def ray_session():
     from rollout_service.runtime import start_local_ray
 
-    info = start_local_ray()
+    # Ray's metrics agent on a known port: tests/test_metrics.py scrapes it.
+    info = start_local_ray(metrics_port=_free_port())
     yield info
     import ray
 

@@ -11,6 +11,9 @@ What is checked, and against what:
   oldest and newest Kubernetes versions we claim.
 - RayService / RayCluster: the KubeRay 1.7 CRDs in ``../shared/kuberay/`` converted to JSON Schema
   (see ``crd_json_schema``). CEL rules (``x-kubernetes-validations``) are not evaluated.
+- PodMonitor (k8s/monitoring; the Prometheus Operator's CRD is not in ``../shared``): the subset
+  of its schema these files use (``PODMONITOR_SCHEMA``), and that it selects every Ray pod, and no
+  other, on the container port Ray's metrics agent listens on.
 - ``serveConfigV2`` and ``deployments/*.yaml``: parsed with ``ray.serve.schema.ServeDeploySchema``
   plus a strict check for keys Ray's schema would silently ignore; every application's ``args``
   parsed with ``RolloutServiceConfig.from_args``; every ``import_path`` imported (module, then
@@ -491,9 +494,90 @@ def rayservice_consistency_problems(rs: dict) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------- PodMonitor
+# The Prometheus Operator's CRDs are not in ../shared (only KubeRay's): a PodMonitor is checked against
+# the subset of monitoring.coreos.com/v1 PodMonitor that k8s/monitoring uses (an unknown field is an
+# error, as in strict mode; field names and formats from the operator's API reference), and against
+# the RayService it scrapes (podmonitor_scrape_problems).
+_LABEL_NAME = {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}
+_STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_DURATION = {"type": "string", "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+PODMONITOR_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}, "namespace": {"type": "string"},
+            "labels": _STR_MAP, "annotations": _STR_MAP}},
+        "spec": {"type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"],
+                 "properties": {
+            "jobLabel": {"type": "string"},
+            "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
+                "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+            "selector": {"type": "object", "additionalProperties": False, "minProperties": 1, "properties": {
+                "matchLabels": _STR_MAP,
+                "matchExpressions": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False, "required": ["key", "operator"], "properties": {
+                        "key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                        "values": {"type": "array", "items": {"type": "string"}}}}}}},
+            "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["port"], "properties": {
+                    "port": {"type": "string", "minLength": 1}, "path": {"type": "string", "pattern": "^/"},
+                    "scheme": {"enum": ["http", "https"]}, "interval": _DURATION, "scrapeTimeout": _DURATION,
+                    "honorLabels": {"type": "boolean"},
+                    "relabelings": {"type": "array", "items": {
+                        "type": "object", "additionalProperties": False, "properties": {
+                            "sourceLabels": {"type": "array", "items": _LABEL_NAME}, "targetLabel": _LABEL_NAME,
+                            "action": {"enum": ["replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep",
+                                                "hashmod", "lowercase", "uppercase", "keepequal", "dropequal"]},
+                            "regex": {"type": "string"}, "replacement": {"type": "string"},
+                            "separator": {"type": "string"}, "modulus": {"type": "integer"}}}}}}},
+        }},
+    },
+}
+
+
+def podmonitor_scrape_problems(docs: list[dict]) -> list[str]:
+    """Each PodMonitor selects every Ray pod of the RayServices in its namespace (head and each worker
+    group) and no other workload's pods, on a container port named as its endpoint's, whose number is
+    the group's ``metrics-export-port`` (KubeRay's default 8080 when unset): where Ray's metrics agent
+    listens. matchExpressions are not evaluated (not used here)."""
+    problems = []
+    for pm in (d for d in docs if d["kind"] == "PodMonitor"):
+        name, ns = pm["metadata"]["name"], pm["metadata"].get("namespace")
+        wanted = pm["spec"]["selector"].get("matchLabels", {})
+
+        def selected(template: dict) -> bool:
+            labels = (template.get("metadata") or {}).get("labels") or {}
+            return all(labels.get(k) == v for k, v in wanted.items())
+
+        services = [d for d in docs if d["kind"] == "RayService" and d["metadata"].get("namespace") == ns]
+        if not services:
+            problems.append(f"{name}: no RayService in namespace {ns}")
+        for rs in services:
+            for group, spec, container in _ray_containers(rs["spec"]["rayClusterConfig"]):
+                if not selected(spec["template"]):
+                    problems.append(f"{name}: does not select the {group} pods")
+                    continue
+                port = int(spec.get("rayStartParams", {}).get("metrics-export-port", 8080))
+                ports = {p.get("name"): p.get("containerPort") for p in container.get("ports", [])}
+                for endpoint in pm["spec"]["podMetricsEndpoints"]:
+                    if ports.get(endpoint["port"]) != port:
+                        problems.append(f"{name}: {group} has no container port {endpoint['port']!r} = "
+                                        f"metrics-export-port {port} (ports: {ports})")
+        for d in docs:
+            if d["kind"] in ("StatefulSet", "Deployment", "DaemonSet") and d["metadata"].get("namespace") == ns \
+                    and selected(d["spec"]["template"]):
+                problems.append(f"{name}: also selects {d['kind']}/{d['metadata']['name']}")
+    return problems
+
+
 def document_problems(doc: dict) -> list[str]:
     """Schema problems of one rendered document (no imports)."""
     kind = doc.get("kind")
+    if kind == "PodMonitor":
+        return [f"podmonitor: {_error_text(e)}" for e in jsonschema.Draft202012Validator(PODMONITOR_SCHEMA).iter_errors(doc)]
     if kind in CRD_FILES:
         problems = [f"crd: {_error_text(e)}" for e in crd_validator(kind).iter_errors(doc)]
         if kind == "RayService" and not problems:
@@ -560,6 +644,34 @@ def test_every_secret_reference_is_rendered_or_documented_as_external(name):
         else:
             assert secret in EXTERNAL_SECRETS[name], f"{secret} neither rendered nor documented as external"
             assert key in SECRET_KEYS[secret]
+
+
+MONITORED = {"overlays/gpu": [], "overlays/cpu-demo": ["monitoring"]}  # overlay -> applied beside it
+
+
+@pytest.mark.parametrize("name", sorted(MONITORED))
+def test_podmonitor_scrapes_every_ray_pod_on_its_metrics_port(name):
+    docs = rendered(name) + [d for extra in MONITORED[name] for d in render_kustomization(K8S / extra)]
+    monitors = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert len(monitors) == 1
+    assert [p for d in monitors for p in document_problems(d)] == []
+    assert podmonitor_scrape_problems(docs) == []
+
+
+def test_broken_podmonitor_fails_for_the_reason_it_was_broken():
+    docs = rendered("overlays/gpu")
+    pm = next(d for d in docs if d["kind"] == "PodMonitor")
+    rs = next(d for d in docs if d["kind"] == "RayService")
+    worker = _ray_containers(rs["spec"]["rayClusterConfig"])[1]
+    worker[2]["ports"] = [p for p in worker[2]["ports"] if p["name"] != "metrics"]
+    assert podmonitor_scrape_problems(docs) == [
+        f"rollout-service-ray: {worker[0]} has no container port 'metrics' = metrics-export-port 8080 "
+        "(ports: {'serve': 8000})"]
+    pm["spec"]["selector"]["matchLabels"] = {"app.kubernetes.io/part-of": "rollout-service"}
+    assert any("also selects StatefulSet/" in p for p in podmonitor_scrape_problems(docs))
+    pm["spec"]["podMetricsEndpoints"][0]["interval"] = "15 seconds"
+    pm["spec"]["podMetricsEndpoints"][0]["scrape_interval"] = "15s"
+    assert len(document_problems(pm)) == 2
 
 
 def test_demo_redis_url_names_a_rendered_service():

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rollout_service.runtime import LOCAL_ENGINE_ENV, RAY_ENV
@@ -247,8 +248,10 @@ def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp
     env.update(RAY_ENV)
     env.update(LOCAL_ENGINE_ENV)
     log_path = tmp_path / "up.log"
+    metrics_port = _free_port()
     with open(log_path, "wb") as log:
-        up = subprocess.Popen([str(Path(sys.executable).with_name("rollout-service")), "up", "--port", str(_free_port())],
+        up = subprocess.Popen([str(Path(sys.executable).with_name("rollout-service")), "up", "--port", str(_free_port()),
+                               "--metrics-port", str(metrics_port)],
                               cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     up_proc = _proc(up.pid)
     recorded: set[Proc] = set()
@@ -264,6 +267,12 @@ def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp
             assert up.poll() is None, f"up exited with {up.returncode} before it was up:\n{log_text()[-4000:]}"
             assert time.monotonic() < deadline, f"up not up after 240 s:\n{log_text()[-4000:]}"
             time.sleep(0.5)
+
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        while f"metrics (Prometheus): {metrics_url}" not in log_text():
+            assert time.monotonic() < deadline, f"up printed no metrics URL:\n{log_text()[-4000:]}"
+            time.sleep(0.2)
+        assert "# TYPE ray_" in httpx.get(metrics_url, timeout=30).text  # Ray's metrics agent serves it
 
         recorded |= _descendants(up.pid)
         names = [_cmdline(pid) for pid, _ in recorded]

@@ -144,7 +144,7 @@ class EngineReplica:
             _apply_engine_env(self.config)
             from vllm.v1.engine.async_llm import AsyncLLM
 
-            self._llm = AsyncLLM.from_engine_args(self.engine_args())
+            self._llm = AsyncLLM.from_engine_args(self.engine_args(), stat_loggers=engine_stat_loggers())
             await self._llm.update_weight_version(self._version)
             await self._warm_up()
             self._startup_s = time.perf_counter() - t0
@@ -381,6 +381,23 @@ def _sampled_logprobs(ids: list[int], logprobs, want_top: int):
             ranked = sorted(((t, lp) for t, lp in entry.items()), key=lambda kv: kv[1].rank or 0)
             tops.append({int(t): float(lp.logprob) for t, lp in ranked if lp.rank and lp.rank <= want_top})
     return out, tops
+
+
+def engine_stat_loggers() -> list | None:
+    """vLLM's own engine metrics (``vllm:*``: queue, running, KV cache use, TTFT, ...) through its Ray
+    stat logger, so they reach Ray's metrics pipeline and the node's metrics endpoint as ``ray_vllm_*``
+    next to the service's (rollout_service.metrics). ``disable_log_stats`` stays on in the engine args:
+    custom loggers alone switch vLLM's stats on without its periodic log lines or its own Prometheus
+    registry. None outside a Ray worker."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+    except ImportError:  # pragma: no cover - another vLLM
+        return None
+    return [RayPrometheusStatLogger]
 
 
 def _apply_engine_env(config: EngineConfig) -> None:

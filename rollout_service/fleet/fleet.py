@@ -31,6 +31,7 @@ from typing import Any
 
 from rollout_service.config import EngineConfig, FleetConfig, RolloutServiceConfig
 from rollout_service.fleet.health import SERVING, EngineState, FleetHealth, HealthPolicy
+from rollout_service.metrics import get_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -240,10 +241,17 @@ class EngineFleet:
         return self._view()
 
     async def _publish(self, epoch_before: int) -> None:
+        self._record_metrics()
         if self.health.epoch != epoch_before:
             logger.info("fleet epoch %d -> %d: serving %s", epoch_before, self.health.epoch, self.health.serving())
             async with self._changed:
                 self._changed.notify_all()
+
+    def _record_metrics(self) -> None:
+        """Engine states and the version served, on every change and every monitor round (metrics)."""
+        metrics = get_metrics()
+        metrics.engines(s.state.value for s in self.health.slots)
+        metrics.weight_version(self.health.current_version)
 
     async def report_failure(self, slot: int, generation: int, error: str, fatal: bool = False) -> None:
         """A caller saw a call on this engine fail: ``fatal`` (Ray says the actor died) declares it
@@ -375,6 +383,7 @@ class EngineFleet:
             old = self.health.slots[i].generation
             self._kill(self.slots[i])  # idempotent: a dead slot's old actor is gone for good
             generation = self.health.on_replacement_started(i)
+            get_metrics().engine_replaced()
             logger.warning("replacing engine slot %d (generation %d -> %d): %s", i, old, generation,
                            self.health.slots[i].last_error)
             self._launch(i, generation)

@@ -28,6 +28,7 @@ from rollout_service.config import RolloutServiceConfig
 from rollout_service.fleet.client import is_actor_dead, is_engine_death
 from rollout_service.fleet.fleet import FleetView, Member
 from rollout_service.engine.collective import ABORT_MESSAGE
+from rollout_service.metrics import get_metrics
 from rollout_service.refit.types import (
     MEMBERSHIP_CHANGED,
     RefitFailed,
@@ -257,11 +258,13 @@ class RefitController:
         Raises RefitInProgress (another refit runs) or RefitFailed (nothing changed, all resumed).
         """
         if self._refit_lock.locked():
+            get_metrics().refit("rejected")
             raise RefitInProgress(f"a refit is already running (current version {self.weight_version})")
         async with self._refit_lock:
             await self.start()
             version = str(version)
             if version in self._version_history:
+                get_metrics().refit("rejected")
                 raise ValueError(f"weight version {version!r} was already used; versions label distinct weights")
             timeout = timeout_s or self.config.refit.step_timeout_s
             kind = getattr(transfer, "kind", None)
@@ -283,9 +286,13 @@ class RefitController:
                 )
                 if report.ok:
                     committed = version
+            except BaseException:  # raised without a report: no serving engine, a stale weight-sync group
+                get_metrics().refit("failed")
+                raise
             finally:
                 await self.fleet.end_refit.remote(committed, getattr(transfer, "path", None) if kind == "path" else None)
             self._last_report = report.to_dict()
+            get_metrics().refit("ok" if report.ok else "failed", self._last_report)
             if not report.ok:
                 self._num_failed_refits += 1
                 if getattr(transfer, "kind", None) == "collective" and report.failed_step == "transfer":
@@ -513,6 +520,7 @@ class RefitController:
                 self.weight_version = str(version)
                 self._version_history.append(str(version))
                 self._num_refits += 1
+                get_metrics().refit("ok")
                 committed = str(version)
         except BaseException:
             await self._nccl_release(reload=True)
@@ -533,6 +541,8 @@ class RefitController:
         round_, self._nccl = self._nccl, None
         if round_ is None:
             return
+        if reload:  # the round failed or was abandoned: the engines go back to the last committed weights
+            get_metrics().refit("failed")
         engines = round_["view"].handles()
         if not from_watchdog and round_.get("watchdog") is not None:
             round_["watchdog"].cancel()

@@ -22,6 +22,7 @@ replica looks up (or creates) on start, so the app works the same under ``serve 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import re
@@ -35,8 +36,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from rollout_service.config import RolloutServiceConfig
+from rollout_service.metrics import RequestObservation, get_metrics
 from rollout_service.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,7 +50,7 @@ from rollout_service.protocol.openai import (
 )
 from rollout_service.serve.dialects import chat, completions, responses
 from rollout_service.serve.dialects.common import RolloutHeaders, rollout_headers, unicode_body
-from rollout_service.serve.turn_types import TurnError, TurnRequest, TurnResult
+from rollout_service.serve.turn_types import TokenDelta, TurnError, TurnRequest, TurnResult
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,71 @@ async def _send_error(send, exc: ServiceError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+_REQUEST: contextvars.ContextVar[RequestObservation | None] = contextvars.ContextVar("rollout_request", default=None)
+
+
+class _Metered:
+    """Pure ASGI middleware, outermost: every HTTP request's route, status and latency, and what its
+    call generated (filled in by :func:`_observed`), recorded once it has been answered
+    (:mod:`rollout_service.metrics`). A call forwarded to the replica owning its rollout is counted
+    here, where the HTTP request arrived; its turn is counted by the owner's runner."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        obs = RequestObservation(time.perf_counter())
+        token = _REQUEST.set(obs)
+        status = 500  # the app raised before answering: Starlette's error middleware sends a 500
+
+        async def sent(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            _REQUEST.reset(token)
+            get_metrics().request(_route_of(scope), status, time.perf_counter() - obs.t0, obs)
+
+
+def _route_of(scope) -> str:
+    """The route's path template (``/v1/rollouts/{rollout_id}``: bounded label values); for a request
+    refused before routing (401, 413) the route it would have reached; ``unmatched`` for none."""
+    path = getattr(scope.get("route"), "path", None)
+    if path:
+        return path
+    for route in getattr(scope.get("app"), "routes", ()):
+        try:
+            if route.matches(scope)[0] != Match.NONE:
+                return route.path
+        except Exception:
+            continue
+    return "unmatched"
+
+
+async def _observed(events: AsyncIterator, stream: bool) -> AsyncIterator:
+    """Pass a call's events through, noting its first generated token and its result for the metrics."""
+    obs = _REQUEST.get()
+    if obs is not None:
+        obs.stream = stream
+    async for event in events:
+        if obs is not None:
+            if isinstance(event, TokenDelta):
+                if event.token_ids:
+                    obs.first_token(time.perf_counter())
+            elif isinstance(event, TurnResult):
+                if event.generation_token_ids:
+                    obs.first_token(time.perf_counter())
+                obs.result(len(event.prompt_token_ids), len(event.generation_token_ids), event.replayed,
+                           event.weight_versions)
+        yield event
+
+
 def error_response(exc: ServiceError) -> JSONResponse:
     return JSONResponse(exc.envelope(), status_code=exc.status)
 
@@ -148,6 +216,7 @@ def create_app() -> FastAPI:
                   description="OpenAI-compatible generations for RL rollouts, exactly on-policy at the token level.",
                   dependencies=[Depends(unicode_body)])
     app.add_middleware(_Guard)
+    app.add_middleware(_Metered)  # added last: outermost, so refusals by _Guard are counted too
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
@@ -368,7 +437,7 @@ class RolloutService:
                                type="not_found_error", param="model", code="model_not_found")
 
     async def _answer(self, events: AsyncIterator, dialect, req, stream: bool):
-        events = _guard_events(events)
+        events = _guard_events(_observed(events, stream))
         first = await events.__anext__()  # an error raises here, before any byte is sent
         if stream:
             return StreamingResponse(_safe_stream(dialect, dialect.stream(first, events, req, self.served_name)),

@@ -23,9 +23,11 @@ class LocalService:
     """Start / stop the whole service in-process (the CLI, tests and benchmarks use it)."""
 
     def __init__(self, config: RolloutServiceConfig, *, host: str = "127.0.0.1", port: int = 8000,
-                 data_dir: str | None = None, log=print):
+                 data_dir: str | None = None, log=print, metrics_port: int | None = None):
         self.config = config.model_copy(deep=True)
         self.host, self.port = host, port
+        self.metrics_port = metrics_port  # Ray's metrics export port when this starts Ray (None: Ray picks)
+        self.metrics_url: str | None = None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="rollout-service-")
         self.redis = None
         self.fleet = None
@@ -53,7 +55,7 @@ class LocalService:
             self.log(f"[up] embedded redis-server at {self.config.store.redis_url} (pid {self.redis.pid})")
         model = self.config.engine.resolved_model()
         self.log(f"[up] model: {model}")
-        start_local_ray()
+        start_local_ray(metrics_port=self.metrics_port)
         self.log(f"[up] Ray started ({time.perf_counter() - t0:.1f}s); loading {self.config.engine.num_engines} engine(s)...")
         self.fleet = get_or_create_fleet(self.config)
         import ray
@@ -73,6 +75,9 @@ class LocalService:
         serve.start(http_options={"host": self.host, "port": self.port})
         serve.run(build_app(self.config), name=APP_NAME, route_prefix="/")
         self._wait_healthy()
+        from rollout_service.runtime import metrics_url
+
+        self.metrics_url = metrics_url()
         self.log(f"[up] ready in {time.perf_counter() - t0:.1f}s: {self.url}/v1 (OpenAI base_url)")
         return self
 
@@ -124,8 +129,12 @@ class LocalService:
                 self.redis = None
 
 
-def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = None, redis_url: str | None = None) -> int:
+def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = None, redis_url: str | None = None,
+           metrics_port: int | None = None) -> int:
     """Serve until SIGINT / SIGTERM, then stop everything this process started.
+
+    ``metrics_port``: Prometheus metrics on ``http://127.0.0.1:<port>/metrics`` (Ray's metrics agent;
+    0 or None: a port Ray picks); printed at start-up either way.
 
     First signal: an orderly stop (during start-up it cuts the start short). A second one while
     the app and engines wind down skips that wait; Ray, its processes and the redis-server are
@@ -136,7 +145,7 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
     config = RolloutServiceConfig.from_yaml(config_path) if config_path else RolloutServiceConfig()
     if redis_url:
         config.store.redis_url = redis_url
-    svc = LocalService(config, host=host, port=port)
+    svc = LocalService(config, host=host, port=port, metrics_port=metrics_port)
     stop = threading.Event()
     phase = "starting"  # -> up -> stopping -> forced (a second signal) -> final (uninterruptible)
 
@@ -166,6 +175,7 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
         take_signals()  # ray.init replaces the SIGTERM handler (see runtime._restore_sigterm)
         phase = "up"
         print(f"rollout-service is up: {svc.url}  (OpenAI base_url {svc.url}/v1; Ctrl-C stops)", flush=True)
+        print(f"metrics (Prometheus): {svc.metrics_url or 'none: this Ray node exports no metrics'}", flush=True)
         print(f"try: rollout-service demo --url {svc.url}", flush=True)
         stop.wait()
     except KeyboardInterrupt:

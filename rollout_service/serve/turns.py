@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -23,6 +24,7 @@ from typing import Any, AsyncIterator
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.engine.replica import GenerateRequest
 from rollout_service.engine.sampling import SamplingOptions, SamplingParamsError
+from rollout_service.metrics import get_metrics
 from rollout_service.fleet.client import FleetClient, NoEngineAvailable, is_engine_death
 from rollout_service.onpolicy import (
     ChatTemplate,
@@ -113,9 +115,20 @@ class TurnRunner:
     def _template_kwargs(self, req: TurnRequest) -> dict[str, Any]:
         return {**self.config.service.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
 
+    async def _store_op(self, op: str, call):
+        """A store call, timed, its failure counted (metrics: store latency and errors by op)."""
+        t0 = time.perf_counter()
+        try:
+            result = await call
+        except Exception as exc:
+            get_metrics().store(op, time.perf_counter() - t0, exc)
+            raise
+        get_metrics().store(op, time.perf_counter() - t0)
+        return result
+
     async def _load(self, rollout_id: str) -> RolloutState | None:
         try:
-            return await self.store.load(rollout_id)
+            return await self._store_op("load", self.store.load(rollout_id))
         except StoreUnavailable as exc:
             raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
         except StoreError as exc:
@@ -202,7 +215,7 @@ class TurnRunner:
     async def _stored(self, rollout_id: str, op):
         try:
             validate_rollout_id(rollout_id)
-            result = await op(rollout_id)
+            result = await self._store_op(_STORE_OPS.get(op.__name__, op.__name__), op(rollout_id))
         except InvalidRolloutId as exc:
             raise bad_request(str(exc), param="rollout_id") from None
         except StoreUnavailable as exc:
@@ -212,8 +225,11 @@ class TurnRunner:
         return result
 
     # ------------------------------------------------------------------ a call
-    async def run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
+    def run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
         """Run one model call: ``TokenDelta`` events (streaming only), then one ``TurnResult``."""
+        return _counted("stateful" if req.rollout_id is not None else "stateless", self._run_turn(req))
+
+    async def _run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
         rollout_id = _rollout_id(req.rollout_id)
         if rollout_id is None:
             async for event in self._run(req, None, None):
@@ -247,6 +263,7 @@ class TurnRunner:
                     yield TokenDelta(token_ids=replay.generation_token_ids, logprobs=replay.generation_log_probs,
                                      reasoning=replay.message.get("reasoning_content") or "",
                                      content=replay.message.get("content") or "")
+                get_metrics().turn("replay")
                 yield replay
                 return
             async for event in self._run(req, state, digest):
@@ -293,7 +310,12 @@ class TurnRunner:
         sampling = self._sampling(req.sampling, req.top_logprobs, structured)
         if rollout_id is None:
             state, messages = self._echo_state(req)
-        plan = self._plan(state, messages, req)
+        try:
+            plan = self._plan(state, messages, req)
+        except ServiceError as exc:
+            if exc.code == "non_monotonic_history":  # history_policy reject refused an edited history
+                get_metrics().turn("reject")
+            raise
         max_tokens = self._max_tokens(req.max_tokens, len(plan.prompt_ids))
         expected_turn = state.turn if (state is not None and rollout_id is not None) else 0
         parse_tools = bool(req.tools) and req.tool_choice.mode != "none"
@@ -337,6 +359,7 @@ class TurnRunner:
             delta.record.constrained = req.tool_choice.forced
         if rollout_id is not None:
             await self._append(rollout_id, delta, expected_turn)
+        get_metrics().turn("monotonic" if plan.monotonic else "fork", plan.conflict.field if plan.conflict else None)
         yield TurnResult(
             prompt_token_ids=plan.prompt_ids, generation_token_ids=ids, generation_log_probs=lps,
             top_logprobs=tops or None, finish_reason=finish_reason, stop_reason=final_chunk.stop_reason, message=message,
@@ -349,7 +372,7 @@ class TurnRunner:
 
     async def _append(self, rollout_id: str, delta, expected_turn: int) -> None:
         try:
-            await self.store.append_turn(rollout_id, delta, expected_turn=expected_turn)
+            await self._store_op("append", self.store.append_turn(rollout_id, delta, expected_turn=expected_turn))
         except TurnConflict as exc:
             raise ServiceError(409, str(exc), type="conflict_error", code="concurrent_turn") from None
         except StoreUnavailable as exc:
@@ -374,8 +397,11 @@ class TurnRunner:
         return message
 
     # ------------------------------------------------------------------ completions
-    async def run_completion(self, call: CompletionCall) -> AsyncIterator[TokenDelta | TurnResult]:
+    def run_completion(self, call: CompletionCall) -> AsyncIterator[TokenDelta | TurnResult]:
         """Raw completion on token ids (or text): no rollout semantics, no chat template."""
+        return _counted("completion", self._run_completion(call))
+
+    async def _run_completion(self, call: CompletionCall) -> AsyncIterator[TokenDelta | TurnResult]:
         prompt = call.prompt
         ids_in = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
         bad = next((t for t in ids_in if not (0 <= t < self.vocab_size)), None)
@@ -458,6 +484,20 @@ class TurnRunner:
                 self.fleet.release(member)
                 if call is not None and not done:
                     _cancel(call)
+
+
+_STORE_OPS = {"load": "read", "delete": "delete"}  # RolloutStore method -> metrics op of a rollout read / delete
+
+
+async def _counted(mode: str, events: AsyncIterator) -> AsyncIterator:
+    """A call's events, counted (calls by mode) and in flight while they run (metrics)."""
+    metrics = get_metrics()
+    metrics.call_started(mode)
+    try:
+        async for event in events:
+            yield event
+    finally:
+        metrics.call_ended(mode)
 
 
 def _cancel(call) -> None:
