@@ -111,12 +111,13 @@ METRICS: tuple[MetricDef, ...] = (
     _m("store_errors_total", "counter", "Failed rollout store operations by op and error type (StoreUnavailable, "
        "StoreFull, TurnConflict, ...).", ("op", "error")),
     # ---- engine fleet
-    _m("engines", "gauge", "Engine slots by health state (fleet.health.EngineState); healthy + suspect serve.",
-       ("state",), source="fleet"),
+    _m("engines", "gauge", "Engine slots by health state (fleet.health.EngineState); healthy + suspect serve. "
+       "`fleet` names the fleet actor (`<instance_name>-fleet`), so two services in one cluster stay apart.",
+       ("fleet", "state"), source="fleet"),
     _m("engine_replacements_total", "counter", "Engine replacements the fleet started (dead or hung engines).",
-       source="fleet"),
+       ("fleet",), source="fleet"),
     _m("weight_version", "gauge", "Info-style: 1 with the weight version the fleet serves as label `version`.",
-       ("version",), source="fleet"),
+       ("fleet", "version"), source="fleet"),
     # ---- refit controller
     _m("refits_total", "counter", "Refits by outcome: ok, failed (rolled back, engines resumed on the previous "
        "version), rejected (another refit running, or a version label already used).", ("outcome",),
@@ -171,7 +172,7 @@ class ServiceMetrics:
         # (name, labels) -> (series, value or a callable giving it), re-set every GAUGE_REFRESH_S
         self._gauges: dict[tuple, tuple[Any, Any]] = {}
         self._in_flight = dict.fromkeys(CALL_MODES, 0)
-        self._version: str | None = None
+        self._version: dict[str, str] = {}  # fleet -> the version it reports
         self._refresher: threading.Thread | None = None
         if enabled:
             from ray.util import metrics as rm
@@ -268,27 +269,28 @@ class ServiceMetrics:
             self.series("rollout_service_store_errors_total", op, type(error).__name__).record(1)
 
     # ------------------------------------------------------------ fleet
-    def engines(self, states: Iterable[str]) -> None:
-        """The state of every slot (every state is set, zeros included)."""
+    def engines(self, states: Iterable[str], fleet: str) -> None:
+        """The state of every slot of ``fleet`` (every state is set, zeros included)."""
         if not self.enabled:
             return
         counts = dict.fromkeys(ENGINE_STATES, 0)
         for s in states:
             counts[s] = counts.get(s, 0) + 1
         for state, n in counts.items():
-            self._gauge("rollout_service_engines", n, state)
+            self._gauge("rollout_service_engines", n, fleet, state)
 
-    def engine_replaced(self) -> None:
-        self.series("rollout_service_engine_replacements_total").record(1)
+    def engine_replaced(self, fleet: str) -> None:
+        self.series("rollout_service_engine_replacements_total", fleet).record(1)
 
-    def weight_version(self, version: str) -> None:
-        """The version served now: its series is 1, the previous one is no longer reported (ages out)."""
+    def weight_version(self, version: str, fleet: str) -> None:
+        """The version ``fleet`` serves now: its series is 1, the previous one is no longer reported (ages out)."""
         if not self.enabled:
             return
-        if self._version is not None and self._version != version:
-            self._drop_gauge("rollout_service_weight_version", self._version)
-        self._version = version
-        self._gauge("rollout_service_weight_version", 1, version)
+        previous = self._version.get(fleet)
+        if previous is not None and previous != version:
+            self._drop_gauge("rollout_service_weight_version", fleet, previous)
+        self._version[fleet] = version
+        self._gauge("rollout_service_weight_version", 1, fleet, version)
 
     # ------------------------------------------------------------ refit controller
     def refit(self, outcome: str, report: dict[str, Any] | None = None) -> None:

@@ -65,9 +65,9 @@ def test_recording_outside_ray_does_nothing_and_the_module_needs_neither_ray_nor
     m.turn("fork", "content")
     m.store("load", 0.001, RuntimeError())
     m.call_ended("stateful")
-    m.engines(["healthy"])
-    m.engine_replaced()
-    m.weight_version("1")
+    m.engines(["healthy"], "rollout-service-fleet")
+    m.engine_replaced("rollout-service-fleet")
+    m.weight_version("1", "rollout-service-fleet")
     m.refit("ok", {"pause_s": 0.1, "bytes": 5})
     assert obs.version_lag == 1
     code = ("import sys, rollout_service.metrics as m; m.get_metrics().turn('monotonic'); "
@@ -246,10 +246,12 @@ def test_the_endpoint_counts_exactly_a_short_run(service, http, metrics_url, tra
         got = moved(after)
         over = {k: v for k, v in got.items() if v > expected[k]}
         assert over == {}, f"counted more than happened: {over} (expected {expected})"
-        if got == expected and _value(after, "ray_rollout_service_weight_version", version=version) == 1:
+        if got == expected and _value(after, "ray_rollout_service_weight_version", version=version,
+                                                  fleet=f"{service.config.service.instance_name}-fleet") == 1:
             break
         assert time.monotonic() < deadline, {k: (v, expected[k]) for k, v in got.items() if v != expected[k]}
         time.sleep(1)
-    assert _value(after, "ray_rollout_service_engines", state="healthy") == service.config.engine.num_engines
+    fleet = f"{service.config.service.instance_name}-fleet"  # other tests' fleets report under their own label
+    assert _value(after, "ray_rollout_service_engines", fleet=fleet, state="healthy") == service.config.engine.num_engines
     assert _value(after, "ray_rollout_service_calls_in_flight", mode="stateful") == 0
     assert _value(after, "ray_vllm_num_requests_running") == 0

@@ -247,11 +247,23 @@ class EngineFleet:
             async with self._changed:
                 self._changed.notify_all()
 
+    def _metrics_name(self) -> str:
+        """The ``fleet`` label: the actor's name (``<instance_name>-fleet``), or its id when anonymous."""
+        if getattr(self, "_metrics_label", None) is None:
+            try:
+                import ray
+
+                ctx = ray.get_runtime_context()
+                self._metrics_label = ctx.get_actor_name() or ctx.get_actor_id()[:12]
+            except Exception:  # not in an actor (unit use)
+                self._metrics_label = "local"
+        return self._metrics_label
+
     def _record_metrics(self) -> None:
         """Engine states and the version served, on every change and every monitor round (metrics)."""
         metrics = get_metrics()
-        metrics.engines(s.state.value for s in self.health.slots)
-        metrics.weight_version(self.health.current_version)
+        metrics.engines((s.state.value for s in self.health.slots), self._metrics_name())
+        metrics.weight_version(self.health.current_version, self._metrics_name())
 
     async def report_failure(self, slot: int, generation: int, error: str, fatal: bool = False) -> None:
         """A caller saw a call on this engine fail: ``fatal`` (Ray says the actor died) declares it
@@ -383,7 +395,7 @@ class EngineFleet:
             old = self.health.slots[i].generation
             self._kill(self.slots[i])  # idempotent: a dead slot's old actor is gone for good
             generation = self.health.on_replacement_started(i)
-            get_metrics().engine_replaced()
+            get_metrics().engine_replaced(self._metrics_name())
             logger.warning("replacing engine slot %d (generation %d -> %d): %s", i, old, generation,
                            self.health.slots[i].last_error)
             self._launch(i, generation)
