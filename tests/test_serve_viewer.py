@@ -207,3 +207,15 @@ def test_the_viewer_answers_404_for_an_unknown_rollout_and_400_for_an_invalid_id
     assert r.status_code == 404 and r.json()["error"]["code"] == "rollout_not_found"
     r = http.get("/rollouts/bad*id/view")
     assert r.status_code == 400 and r.json()["error"]["param"] == "rollout_id"
+
+
+def test_a_constrained_turn_is_marked_and_a_free_one_is_not():
+    ids = [10, 11, 12, 13, 14, 15]
+    forced = TurnRecord(1, 0, 2, 3, "tool_calls", True, [WeightSpan("0", 2, 3)])
+    forced.constrained = True
+    free = TurnRecord(2, 3, 5, 6, "length", True, [WeightSpan("0", 5, 6)])
+    seg = Segment(ids, [0, 0, 1, 0, 0, 1], [0.0, 0.0, -0.5, 0.0, 0.0, -1.0], [forced, free],
+                  [{"role": "user", "content": "hi"}])
+    html = render_trajectory_html(RolloutState("r-c", 2, [seg]), FakeTokenizer())
+    assert re.findall(r'data-turn="(\d+)" data-constrained="(\w+)"', html) == [("1", "true"), ("2", "false")]
+    assert html.count(">constrained</span>") == 1

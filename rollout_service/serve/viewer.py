@@ -193,10 +193,15 @@ def _block(w, seg: _Segment, start: int, end: int, turn: dict[str, Any] | None, 
     else:
         spans = ", ".join(f"{_e(s['version'])} [{s['start']}, {s['end']})" for s in turn.get("weight_versions") or [])
         kind = "monotonic" if turn.get("monotonic", True) else "fork (non-monotonic)"
-        w(f"<div class=\"turn\" data-turn=\"{_e(turn['turn'])}\"><div class=\"turn-head\">"
+        constrained = bool(turn.get("constrained"))
+        badge = (' · <span class="badge constrained" title="sampled under a grammar (forced tool call): its logprobs '
+                 'are renormalized over the allowed tokens">constrained</span>') if constrained else ""
+        w(f"<div class=\"turn{' constrained' if constrained else ''}\" data-turn=\"{_e(turn['turn'])}\""
+          f" data-constrained=\"{str(constrained).lower()}\"><div class=\"turn-head\">"
           f"<b>Turn {_e(turn['turn'])}</b> · {kind} · prompt [{turn['prompt_start']}, {turn['gen_start']}) · "
           f"generated [{turn['gen_start']}, {turn['gen_end']}) · finish <b>{_e(turn.get('finish_reason'))}</b>"
-          f"{' · version ' + spans if spans else ''}</div>")
+          f"{' · version ' + spans if spans else ''}"
+          f"{badge}</div>")
     w("<div class=\"tokens\">")
     for pos in range(start, end):
         _token(w, seg, pos, texts, versions)
