@@ -72,7 +72,9 @@ class LocalService:
                 break
             self.log(f"[up]   engines loading... {time.perf_counter() - t0:.0f}s")
         self.log(f"[up] engines ready ({time.perf_counter() - t0:.1f}s); deploying the Serve app")
-        serve.start(http_options={"host": self.host, "port": self.port})
+        # The proxy logs every request unless told not to (~0.5 ms CPU per call, docs/benchmarks.md).
+        serve.start(http_options={"host": self.host, "port": self.port},
+                    logging_config={"enable_access_log": self.config.service.access_log})
         serve.run(build_app(self.config), name=APP_NAME, route_prefix="/")
         self._wait_healthy()
         from rollout_service.runtime import metrics_url
