@@ -93,3 +93,39 @@ class InvalidEcho(OnPolicyError, ValueError):
     @property
     def param(self) -> str:
         return f"messages[{self.index}].{self.field}"
+
+
+class InvalidPrefix(OnPolicyError, ValueError):
+    """``required_prefix_token_ids`` is malformed (400, ``invalid_required_prefix``).
+
+    Not a list, an entry that is not an integer (a bool is not one), or an id outside
+    ``[0, vocabulary size)``. The ids go into the engine unchanged, so nothing downstream would
+    catch them: they are checked first, like echoed ids.
+    """
+
+    status = 400
+    code = "invalid_required_prefix"
+    param = "required_prefix_token_ids"
+
+    def __init__(self, message: str):
+        super().__init__(f"required_prefix_token_ids: {message}")
+        self.message = message
+
+
+class PrefixNotContinuable(OnPolicyError):
+    """The request's messages cannot continue its ``required_prefix_token_ids`` (400,
+    ``prefix_not_continuable``).
+
+    The prefix stands for the ids of the conversation up to and including its last assistant
+    message; there is nothing to continue when the messages have no assistant message, or nothing
+    after the last one, and the prefix contradicts the messages when that assistant message echoes
+    a prompt + generation other than the prefix. ``index`` names the message when there is one.
+    """
+
+    status = 400
+    code = "prefix_not_continuable"
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.index = index
