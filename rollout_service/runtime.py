@@ -24,8 +24,9 @@ RAY_ENV = {
 
 
 # vLLM on this project's CPU machines: the worker inside the engine-core process (faster start, half
-# the memory) and a 1 GiB KV cache. Engine actors get the same through their runtime_env.
-LOCAL_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# the memory). Engine actors get the same through their runtime_env; their KV cache size is the
+# config's engine.cpu_kvcache_space_gib.
+LOCAL_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def apply_ray_env() -> None:

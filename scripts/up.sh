@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
+export VLLM_ENABLE_V1_MULTIPROCESSING=0
 exec .venv/bin/rollout-service up "$@"

@@ -17,6 +17,8 @@ from typing import Any
 
 import ray
 
+from runtime_fixtures import TEST_KV_GIB
+
 # Small thresholds so detection and replacement fit in a test; generous enough for a loaded 2-core box.
 FLEET = {"probe_interval_s": 0.5, "probe_timeout_s": 3.0, "dead_after_failures": 3, "unresponsive_after_s": 6.0,
          "backoff_initial_s": 1.0, "max_replacements": 20, "replacement_window_s": 3600}
@@ -168,7 +170,7 @@ def start_rig(tiny_model_dir, redis_url: str, tokenizer):
     from rollout_service.refit.controller import RefitController
 
     cfg = RolloutServiceConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "num_engines": 2, "num_cpus_per_engine": 0},
+        "engine": {"model": str(tiny_model_dir), "num_engines": 2, "num_cpus_per_engine": 0, "cpu_kvcache_space_gib": TEST_KV_GIB},
         "store": {"redis_url": redis_url, "key_prefix": "fleet"},
         "refit": {"step_timeout_s": 60},
         "fleet": FLEET,

@@ -47,7 +47,7 @@ def main() -> dict:
         head_id = ray.get_runtime_context().get_node_id()
         out["nodes"] = {"head": head_id, "worker": worker.node_id}
         cfg = RolloutServiceConfig.model_validate({
-            "engine": {"model": str(model), "num_engines": 1, "num_cpus_per_engine": 1,
+            "engine": {"model": str(model), "num_engines": 1, "num_cpus_per_engine": 1, "cpu_kvcache_space_gib": 0.125,  # runtime_fixtures.TEST_KV_GIB
                        "bundle_resources": {"engine_node": 0.5}},
             "refit": {"step_timeout_s": 60},
             "fleet": {"probe_interval_s": 0.5, "probe_timeout_s": 3, "unresponsive_after_s": 6},

@@ -10,6 +10,7 @@ import ray
 import torch
 
 from engine_helpers import stream_generation
+from runtime_fixtures import TEST_KV_GIB
 
 N_ROLLOUTS = 8
 
@@ -23,7 +24,7 @@ def running_controller(tiny_model_dir, fleet_overrides: dict | None = None, **en
     from rollout_service.refit.controller import RefitController
 
     cfg = RolloutServiceConfig.model_validate(
-        {"engine": {"model": str(tiny_model_dir), **engine_overrides}, "refit": {"step_timeout_s": 60},
+        {"engine": {"model": str(tiny_model_dir), "cpu_kvcache_space_gib": TEST_KV_GIB, **engine_overrides}, "refit": {"step_timeout_s": 60},
          "fleet": fleet_overrides or {}}
     )
     fleet = ray.remote(EngineFleet).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())

@@ -17,6 +17,11 @@ from rollout_service.runtime import apply_local_env
 
 apply_local_env()
 
+# KV cache of every test engine (the tiny model needs 1 KiB per token: 128 MiB holds 131k tokens,
+# twice max_num_seqs x max_model_len). vLLM touches all of it at start: at the 1 GiB default, the
+# engines a session has alive at once came within 5 % of a 24 GiB machine.
+TEST_KV_GIB = 0.125
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
@@ -54,7 +59,7 @@ def ray_session():
 def engine_config(tiny_model_dir):
     from rollout_service.config import EngineConfig
 
-    return EngineConfig(model=str(tiny_model_dir))
+    return EngineConfig(model=str(tiny_model_dir), cpu_kvcache_space_gib=TEST_KV_GIB)
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +94,7 @@ def service(ray_session, redis_server, tiny_model_dir):
     from rollout_service.serve.launcher import LocalService
 
     cfg = RolloutServiceConfig(
-        engine=EngineConfig(model=str(tiny_model_dir)),
+        engine=EngineConfig(model=str(tiny_model_dir), cpu_kvcache_space_gib=TEST_KV_GIB),
         store=StoreConfig(redis_url=redis_server, key_prefix="svc"),
         service=ServiceConfig(num_affinity_replicas=2, default_max_tokens=32),
     )

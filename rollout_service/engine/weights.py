@@ -27,6 +27,41 @@ def _shm_path(tag: str) -> str:
     return os.path.join(shm_dir(), f"rs-{tag}-{os.getpid()}-{uuid.uuid4().hex}.safetensors")
 
 
+def sweep_stale_files() -> int:
+    """Delete staging / export files of engine processes that are gone (killed mid-transfer, or a
+    worker that finished writing after its caller timed out): each is a whole state dict in
+    ``/dev/shm``, i.e. memory. The writer's pid is in the name. Returns how many were removed."""
+    removed = 0
+    directory = shm_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if not (name.startswith("rs-") and name.endswith(".safetensors") and len(parts) >= 4 and parts[2].isdigit()):
+            continue
+        pid = int(parts[2])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def write_safetensors(state_dict, path: str) -> int:
     from safetensors.torch import save_file
 
