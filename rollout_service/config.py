@@ -109,10 +109,30 @@ class EngineConfig(_Strict):
         "never sees it (it gets token ids): changing it redeploys the app without restarting the engines. A path "
         "that does not exist is a config error.",
     )
+    forced_tool_call_format: Literal["native", "json"] = Field(
+        "native",
+        description="How a forced `tool_choice` (required / named) is sampled. native: in the model's own tool-call "
+        "format, as vLLM's server does: the tool parser's structural tag (Hermes / Qwen: "
+        "`<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>`), or vLLM's JSON schema for parsers without "
+        "one, parsed by the same tool parser as unforced calls. json: bare JSON (the arguments for a named call, a "
+        "list of calls for required), parsed as JSON: tokens the model never emits unforced. Without a "
+        "`tool_parser`, json. Either way a forced call's arguments follow the tool's parameters schema unless the "
+        "tool says `strict: false`. Changing it does not restart the engines.",
+    )
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        "auto",
+        description="vLLM's `--tool-strict-level`: auto constrains tool calls for forced `tool_choice`, "
+        "`parallel_tool_calls: false` and tools with `strict: true`; function also constrains the call envelope "
+        "of every request with tools (`tool_choice: auto` included); parameter also pins every tool's argument "
+        "schema. A turn sampled under any such grammar is marked constrained. Changing it does not restart the "
+        "engines.",
+    )
     compact_structured_json: bool = Field(
         True,
-        description="Structured outputs (forced tool calls) emit compact JSON (xgrammar, no free whitespace); "
-        "otherwise a weak policy can spend its whole budget on whitespace inside the JSON.",
+        description="Structured outputs emit compact JSON: no free whitespace in `response_format` JSON and in the "
+        "JSON form of forced calls (xgrammar), at most one whitespace character in a row inside a native tool-call "
+        "tag (so the model's own `{\"name\": ...}` spacing stays possible). Otherwise a weak policy can spend its "
+        "whole budget on whitespace inside the JSON.",
     )
     max_logprobs: int = Field(20, ge=0, description="Upper bound on `top_logprobs` a request may ask for.")
     stream_batch_window_s: float = Field(

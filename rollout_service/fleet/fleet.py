@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # Engine-section fields the engines never see (the app renders prompts itself and sends token
 # ids): a change redeploys the app but does not restart the fleet's engines.
-APP_ONLY_ENGINE_FIELDS = frozenset({"chat_template"})
+APP_ONLY_ENGINE_FIELDS = frozenset({"chat_template", "forced_tool_call_format", "tool_strict_level"})
 
 FLEET_NAME = "rollout-service-fleet"  # fleet_name(default instance_name)
 FLEET_NAMESPACE = "rollout-service"

@@ -37,13 +37,14 @@ class AssistantOutput:
 
 
 @functools.lru_cache(maxsize=32)
-def _parser_cls(reasoning_parser: str | None, tool_parser: str | None, key: "_TokenizerKey"):
+def _parser_cls(reasoning_parser: str | None, tool_parser: str | None, key: "_TokenizerKey", strict_level: str = "auto"):
     from vllm.parser.parser_manager import ParserManager
 
     return ParserManager.get_parser(
         tool_parser_name=tool_parser,
         reasoning_parser_name=reasoning_parser,
         enable_auto_tools=tool_parser is not None,
+        tool_strict_level=strict_level,
         tokenizer=key.tok,
     )
 
@@ -92,6 +93,8 @@ def parse_output(
     enable_thinking: bool | None = None,
     prompt_ids: list[int] | None = None,
     stop_token_ids: frozenset[int] | set[int] | None = None,
+    parallel_tool_calls: bool | None = None,
+    strict_level: str = "auto",
 ) -> AssistantOutput:
     """Split generated ids into content, reasoning and OpenAI-shaped tool calls.
 
@@ -113,12 +116,13 @@ def parse_output(
         kwargs["enable_thinking"] = enable_thinking
     parser_cls = None
     if reasoning_parser or tool_parser:
-        parser_cls = _parser_cls(reasoning_parser, tool_parser, _TokenizerKey(tokenizer))
+        parser_cls = _parser_cls(reasoning_parser, tool_parser, _TokenizerKey(tokenizer), strict_level)
     request = ChatCompletionRequest(
         model="rollout-service",
         messages=[{"role": "user", "content": ""}],
         tools=tools or None,
         tool_choice=(tool_choice if tools else "none") if tool_choice is not None else None,
+        parallel_tool_calls=parallel_tool_calls,
         chat_template_kwargs=kwargs or None,
     )
     if parser_cls is None:
@@ -141,3 +145,83 @@ def parse_output(
         for c in (calls or [])
     ]
     return AssistantOutput(content=content, reasoning_content=reasoning, tool_calls=tool_calls, text=text)
+
+
+def structured_outputs_for(
+    *,
+    tokenizer: Any,
+    reasoning_parser: str | None,
+    tool_parser: str | None,
+    tools: list[dict] | None,
+    tool_choice: Any = "auto",
+    parallel_tool_calls: bool | None = None,
+    response_format: dict[str, Any] | None = None,
+    strict_level: str = "auto",
+    max_json_whitespace: int | None = None,
+) -> dict[str, Any] | None:
+    """The grammar vLLM's own server would sample this call under, as ``StructuredOutputsParams``
+    fields (``None``: unconstrained).
+
+    The same decision as ``vllm serve``: the tool parser's native tool-call format as an xgrammar
+    structural tag when the parser has one (Hermes / Qwen: ``<tool_call>{...}</tool_call>``) for a
+    forced ``tool_choice``, for ``parallel_tool_calls: false``, for strict tools or a raised
+    ``strict_level``; vLLM's JSON-schema form for parsers without one; ``response_format``
+    otherwise (or combined with the tool calls' tag for ``tool_choice: auto``).
+    ``max_json_whitespace`` bounds the whitespace between JSON tokens inside a structural tag (the
+    engine's ``disable_any_whitespace`` does not reach into tags; a weak policy fills an unbounded
+    one with newlines). Raises
+    ``pydantic.ValidationError`` / ``ValueError`` for a ``response_format`` vLLM refuses.
+    """
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    if not tools and response_format is None:
+        return None
+    if tools and tool_choice not in (None, "auto", "none"):
+        # A forced call's arguments follow the tool's parameters schema (as in the JSON form), unless
+        # the tool says ``strict: false``: vLLM pins a schema only for strict tools.
+        tools = [_strict_unless_said(t) for t in tools]
+    tokenizer = _vllm_tokenizer(tokenizer)
+    request = ChatCompletionRequest(
+        model="rollout-service",
+        messages=[{"role": "user", "content": ""}],
+        tools=tools or None,
+        tool_choice=(tool_choice if tools else "none") if tool_choice is not None else None,
+        parallel_tool_calls=parallel_tool_calls,
+        response_format=response_format,
+    )
+    if tool_parser and tools:
+        parser = _parser_cls(reasoning_parser, tool_parser, _TokenizerKey(tokenizer), strict_level)(tokenizer, request.tools)
+        request = parser.adjust_request(request)
+    params = request.extract_structured_outputs()
+    if params is None:
+        return None
+    fields = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+    out = {f: getattr(params, f) for f in fields if getattr(params, f) is not None}
+    if max_json_whitespace is not None and out.get("structural_tag"):
+        out["structural_tag"] = _bound_json_whitespace(out["structural_tag"], max_json_whitespace)
+    return out
+
+
+def _bound_json_whitespace(tag: str, limit: int) -> str:
+    import json
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and node.get("max_whitespace_cnt") is None:
+                node["max_whitespace_cnt"] = limit
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, list):
+            for v in node:
+                visit(v)
+
+    spec = json.loads(tag)
+    visit(spec)
+    return json.dumps(spec)
+
+
+def _strict_unless_said(tool: dict) -> dict:
+    fn = tool.get("function")
+    if not isinstance(fn, dict) or fn.get("strict") is not None:
+        return tool
+    return {**tool, "function": {**fn, "strict": True}}

@@ -154,6 +154,57 @@ class AllowedToolsChoice(_Lenient):
     allowed_tools: AllowedTools
 
 
+class _JSONSchemaSpec(_Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class TextFormat(_Lenient):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Lenient):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(_Lenient):
+    type: Literal["json_schema"]
+    json_schema: _JSONSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
+
+
+class ResponsesJSONSchemaFormat(_JSONSchemaSpec):
+    type: Literal["json_schema"]
+
+
+class ResponsesTextConfig(_Lenient):
+    """Responses' ``text``: its ``format`` is chat's ``response_format`` with the schema fields inlined."""
+
+    format: Annotated[TextFormat | JSONObjectFormat | ResponsesJSONSchemaFormat, Field(discriminator="type")] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+    def response_format(self) -> dict[str, Any] | None:
+        """In chat-completions form (what the turn runner takes), ``None`` for plain text."""
+        f = self.format
+        if f is None or f.type == "text":
+            return None
+        if f.type == "json_object":
+            return {"type": "json_object"}
+        spec = f.model_dump(by_alias=True, exclude_none=True, exclude={"type"})
+        return {"type": "json_schema", "json_schema": spec}
+
+
+def response_format_dict(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | None) -> dict[str, Any] | None:
+    """Chat's ``response_format`` as the turn runner takes it (``None`` for plain text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    return fmt.model_dump(by_alias=True, exclude_none=True)
+
+
 class SamplingFields(_Lenient):
     """Sampling fields shared by chat, responses and completions (OpenAI + vLLM extras)."""
 
@@ -196,6 +247,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
+    response_format: ResponseFormat | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
 
@@ -249,6 +301,7 @@ class ResponsesRequest(SamplingFields):
     metadata: dict[str, Any] | None = None
     previous_response_id: str | None = None
     store: StrictBool | None = None
+    text: ResponsesTextConfig | None = None
 
     @field_validator("input")
     @classmethod

@@ -54,6 +54,10 @@ class TurnRequest:
     history_policy: Literal["fork", "reject"] | None = None
     idempotency_key: str | None = None
     want_token_strs: bool = False
+    # Chat-completions form ({"type": "json_object"} / {"type": "json_schema", "json_schema": {...}});
+    # the Responses dialect converts its ``text.format`` to it.
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def digest(self) -> str:
         """What makes two calls the same call: everything that shapes the prompt or the sampling.
@@ -66,6 +70,10 @@ class TurnRequest:
             "chat_template_kwargs": self.chat_template_kwargs or {}, "sampling": self.sampling,
             "max_tokens": self.max_tokens, "top_logprobs": self.top_logprobs, "history_policy": self.history_policy,
         }
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
+        if self.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = self.parallel_tool_calls
         raw = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
         return hashlib.sha256(raw.encode()).hexdigest()
 

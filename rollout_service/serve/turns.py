@@ -35,6 +35,7 @@ from rollout_service.onpolicy import (
     parse_output,
     state_from_echo,
 )
+from rollout_service.onpolicy.parsing import structured_outputs_for
 from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_turn, stored_answer
 from rollout_service.onpolicy.trajectory import trajectory_export
 from rollout_service.onpolicy.echo import _checked_echo
@@ -306,7 +307,12 @@ class TurnRunner:
     async def _run(self, req: TurnRequest, state: RolloutState | None, digest: str | None) -> AsyncIterator[TokenDelta | TurnResult]:
         rollout_id = req.rollout_id
         messages = req.messages
-        structured = _structured_outputs(req)
+        json_forced = self._json_forced(req)
+        structured = _structured_outputs(req) if json_forced else self._constraint(req)
+        constrained = structured is not None
+        # A grammar from the first token (forced call, response_format) leaves no room for a <think>
+        # block: the whole output is the answer, not reasoning the parser would assume it is.
+        reasoning_parser = None if _grammar_from_start(req, structured) else self.config.engine.reasoning_parser
         sampling = self._sampling(req.sampling, req.top_logprobs, structured)
         if rollout_id is None:
             state, messages = self._echo_state(req)
@@ -319,16 +325,19 @@ class TurnRunner:
         max_tokens = self._max_tokens(req.max_tokens, len(plan.prompt_ids))
         expected_turn = state.turn if (state is not None and rollout_id is not None) else 0
         parse_tools = bool(req.tools) and req.tool_choice.mode != "none"
-        streamer = StreamParser(self.tokenizer, reasoning_parser=self.config.engine.reasoning_parser,
+        streamer = StreamParser(self.tokenizer, reasoning_parser=reasoning_parser,
                                 chat_template_kwargs=self._template_kwargs(req), prompt_ids=plan.prompt_ids,
-                                hold_tool_calls=parse_tools and not req.tool_choice.forced,
-                                silent=req.tool_choice.forced) if req.stream else None
+                                hold_tool_calls=parse_tools and not json_forced,
+                                silent=json_forced) if req.stream else None
 
         ids: list[int] = []
         lps: list[float] = []
         tops: list[dict[int, float]] = []
         final_chunk = None
-        async for chunk in self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=req.stream):
+        chunks = self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=req.stream)
+        if constrained:
+            chunks = self._constrained_refusal(chunks, req)
+        async for chunk in chunks:
             ids += chunk.token_ids
             lps += chunk.logprobs
             if chunk.top_logprobs:
@@ -343,7 +352,7 @@ class TurnRunner:
         assert final_chunk is not None
         finish_reason = final_chunk.finish_reason or "stop"
 
-        message = self._parse(ids, req, plan.prompt_ids, parse_tools)
+        message = self._parse(ids, req, plan.prompt_ids, parse_tools, json_forced, reasoning_parser)
         if message.get("tool_calls") and finish_reason == "stop":
             finish_reason = "tool_calls"
         spans = [WeightSpan(v, s, e) for v, s, e in (final_chunk.weight_versions or [])]
@@ -356,7 +365,7 @@ class TurnRunner:
             delta.record.request_digest = digest
             delta.record.idempotency_key = req.idempotency_key
             delta.record.answer = stored_answer(message, stop_reason=final_chunk.stop_reason)
-            delta.record.constrained = req.tool_choice.forced
+            delta.record.constrained = constrained
         if rollout_id is not None:
             await self._append(rollout_id, delta, expected_turn)
         get_metrics().turn("monotonic" if plan.monotonic else "fork", plan.conflict.field if plan.conflict else None)
@@ -365,7 +374,7 @@ class TurnRunner:
             top_logprobs=tops or None, finish_reason=finish_reason, stop_reason=final_chunk.stop_reason, message=message,
             weight_versions=[{"version": v, "start": s, "end": e} for v, s, e in (final_chunk.weight_versions or [])],
             rollout={"id": rollout_id, "turn": delta.turn, "segment": delta.segment_index, "monotonic": plan.monotonic,
-                     "constrained": req.tool_choice.forced, "replayed": False} if rollout_id is not None else None,
+                     "constrained": constrained, "replayed": False} if rollout_id is not None else None,
             engine_index=final_chunk.engine_index,
             token_strs=self.token_strs(ids, tops) if req.want_token_strs else None,
         )
@@ -383,12 +392,53 @@ class TurnRunner:
                                    code="store_full") from None
             raise ServiceError(503, f"rollout store error: {exc}", type="service_unavailable") from None
 
-    def _parse(self, ids: list[int], req: TurnRequest, prompt_ids: list[int], parse_tools: bool) -> dict[str, Any]:
-        if req.tool_choice.forced:
+    def _json_forced(self, req: TurnRequest) -> bool:
+        """A forced tool call sampled as bare JSON (``engine.forced_tool_call_format: json``, or no
+        tool parser to give the model's own format), parsed as JSON rather than by the tool parser."""
+        ec = self.config.engine
+        return req.tool_choice.forced and (ec.forced_tool_call_format == "json" or not ec.tool_parser)
+
+    def _constraint(self, req: TurnRequest) -> dict[str, Any] | None:
+        """The grammar vLLM's server would use for this call: the tool parser's own tool-call format
+        (structural tag) for a forced ``tool_choice``, ``response_format``, strict tools."""
+        if not req.tools and req.response_format is None:
+            return None
+        ec = self.config.engine
+        try:
+            return structured_outputs_for(
+                tokenizer=self.tokenizer, reasoning_parser=ec.reasoning_parser,
+                tool_parser=ec.tool_parser if req.tool_choice.mode != "none" else None,
+                tools=req.tools, tool_choice=_vllm_tool_choice(req), parallel_tool_calls=req.parallel_tool_calls,
+                response_format=req.response_format, strict_level=ec.tool_strict_level,
+                max_json_whitespace=1 if ec.compact_structured_json else None)
+        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            raise bad_request(f"response_format: {_first_error(exc)}", param="response_format",
+                              code="invalid_response_format") from None
+
+    @staticmethod
+    async def _constrained_refusal(chunks, req: TurnRequest):
+        """The engine refusing a constrained call is its grammar (a schema it cannot compile): name it."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except ServiceError as exc:
+            if exc.code == "engine_rejected_request" and exc.param is None:
+                exc.param = "response_format" if req.response_format is not None else "tools"
+            raise
+        finally:
+            await chunks.aclose()  # an abandoned call cancels its engine request at once
+
+    def _parse(self, ids: list[int], req: TurnRequest, prompt_ids: list[int], parse_tools: bool,
+               json_forced: bool = False, reasoning_parser: str | None = "") -> dict[str, Any]:
+        if json_forced:
             return _parse_forced(self.tokenizer.decode(ids, skip_special_tokens=True), req.tool_choice)
         ec = self.config.engine
-        out = parse_output(ids, tokenizer=self.tokenizer, reasoning_parser=ec.reasoning_parser,
+        if reasoning_parser == "":
+            reasoning_parser = ec.reasoning_parser
+        out = parse_output(ids, tokenizer=self.tokenizer, reasoning_parser=reasoning_parser,
                            tool_parser=ec.tool_parser if parse_tools else None, tools=req.tools,
+                           tool_choice=_vllm_tool_choice(req) if parse_tools else "auto",
+                           parallel_tool_calls=req.parallel_tool_calls, strict_level=ec.tool_strict_level,
                            chat_template_kwargs=self._template_kwargs(req), prompt_ids=prompt_ids)
         message: dict[str, Any] = {"role": "assistant", "content": out.content or "",
                                    "reasoning_content": out.reasoning_content}
@@ -525,8 +575,41 @@ def _vocab_size(config: RolloutServiceConfig, tokenizer) -> int:
     return size
 
 
+def _grammar_from_start(req: TurnRequest, structured: dict[str, Any] | None) -> bool:
+    """Whether the grammar constrains the first generated token. Only ``tool_choice: auto`` under
+    a triggered tag (strict tools, parallel_tool_calls false) leaves the text before a call free."""
+    if not structured:
+        return False
+    tag = structured.get("structural_tag")
+    if req.tool_choice.mode == "auto" and tag:
+        try:
+            return json.loads(tag).get("format", {}).get("type") not in ("triggered_tags", "token_triggered_tags")
+        except (ValueError, AttributeError):
+            return True
+    return True
+
+
+def _vllm_tool_choice(req: TurnRequest) -> Any:
+    tc = req.tool_choice
+    if tc.mode == "named":
+        return {"type": "function", "function": {"name": tc.name}}
+    return tc.mode
+
+
+def _first_error(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            err = errors()[0]
+            where = ".".join(str(p) for p in err.get("loc") or ())
+            return f"{where}: {err['msg']}" if where else str(err["msg"])
+        except Exception:  # noqa: BLE001 - fall back to the message
+            pass
+    return " ".join(str(exc).split())[:300]
+
+
 def _structured_outputs(req: TurnRequest) -> dict[str, Any] | None:
-    """vLLM's meaning of a forced tool_choice: structured outputs over the tool's parameters."""
+    """The JSON form of a forced tool_choice: structured outputs over the tool's parameters."""
     tc = req.tool_choice
     if not tc.forced:
         return None

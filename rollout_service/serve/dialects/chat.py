@@ -17,7 +17,7 @@ from openai.types.chat.chat_completion_message import ChatCompletionMessage
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_usage import CompletionUsage
 
-from rollout_service.protocol.openai import ChatCompletionRequest, ServiceError
+from rollout_service.protocol.openai import ChatCompletionRequest, ServiceError, response_format_dict
 from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, error_event, sse, token_str, tool_choice_of
 
 error_frame = error_event
@@ -75,6 +75,8 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
         history_policy=headers.history_policy,
         idempotency_key=headers.idempotency_key,
         want_token_strs=bool(req.logprobs) and not req.return_tokens_as_token_ids,
+        response_format=response_format_dict(req.response_format),
+        parallel_tool_calls=req.parallel_tool_calls,
     )
 
 

@@ -46,6 +46,8 @@ def turn_request(req: ResponsesRequest, headers: RolloutHeaders) -> TurnRequest:
         rollout_id=headers.rollout_id,
         history_policy=headers.history_policy,
         idempotency_key=headers.idempotency_key,
+        response_format=req.text.response_format() if req.text is not None else None,
+        parallel_tool_calls=req.parallel_tool_calls,
     )
 
 
@@ -96,6 +98,8 @@ def _response(req: ResponsesRequest, model: str, ids: _Ids, *, status: str, outp
         "incomplete_details": None, "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
         "top_p": req.top_p, "metadata": _str_metadata(req.metadata), "instructions": req.instructions,
     }
+    if req.text is not None:
+        body["text"] = req.text.model_dump(by_alias=True, exclude_none=True)
     if result is not None:
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
