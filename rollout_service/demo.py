@@ -43,11 +43,11 @@ def run_rollout(base_url: str, turns: int = 4, api_key: str | None = None, rollo
     calls = []
     continuity_ok = True
     for turn in range(1, turns + 1):
-        kwargs: dict[str, Any] = {}
-        if turn % 2 == 1:  # odd turns: force a tool call (structured outputs); even turns: free text
-            kwargs["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
-        out = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], max_tokens=32,
-                                             seed=turn, extra_headers=headers, **kwargs)
+        kwargs: dict[str, Any] = {"max_tokens": 32}
+        if turn % 2 == 1:  # odd turns: force a tool call (in the model's own <tool_call> format); even: free text
+            kwargs.update(tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64)
+        out = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL], seed=turn,
+                                             extra_headers=headers, **kwargs)
         msg = out.choices[0].message.model_dump()
         if calls:
             prev = calls[-1]
