@@ -220,6 +220,18 @@ def _bound_json_whitespace(tag: str, limit: int) -> str:
     return json.dumps(spec)
 
 
+@functools.lru_cache(maxsize=16)
+def tool_parser_raises_strictness(tool_parser: str | None) -> bool:
+    """Whether vLLM's tool parser of this name constrains calls beyond the request's own asks (its
+    ``default_tool_strict_level``); if not, a free call (tool_choice auto, no strict tool) has no
+    grammar and ``structured_outputs_for`` need not be asked."""
+    if not tool_parser:
+        return False
+    from vllm.tool_parsers import ToolParserManager
+
+    return getattr(ToolParserManager.get_tool_parser(tool_parser), "default_tool_strict_level", None) is not None
+
+
 def _strict_unless_said(tool: dict) -> dict:
     fn = tool.get("function")
     if not isinstance(fn, dict) or fn.get("strict") is not None:

@@ -35,7 +35,7 @@ from rollout_service.onpolicy import (
     parse_output,
     state_from_echo,
 )
-from rollout_service.onpolicy.parsing import structured_outputs_for
+from rollout_service.onpolicy.parsing import structured_outputs_for, tool_parser_raises_strictness
 from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_turn, stored_answer
 from rollout_service.onpolicy.trajectory import trajectory_export
 from rollout_service.onpolicy.echo import _checked_echo
@@ -404,6 +404,11 @@ class TurnRunner:
         if not req.tools and req.response_format is None:
             return None
         ec = self.config.engine
+        if (req.response_format is None and req.tool_choice.mode in ("auto", "none") and ec.tool_strict_level == "auto"
+                and req.parallel_tool_calls is not False
+                and not any((t.get("function") or {}).get("strict") is True for t in req.tools or [])
+                and not tool_parser_raises_strictness(ec.tool_parser)):
+            return None  # vLLM's rule, without building its request: nothing constrains a free call
         try:
             return structured_outputs_for(
                 tokenizer=self.tokenizer, reasoning_parser=ec.reasoning_parser,
