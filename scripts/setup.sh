@@ -29,4 +29,22 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
+# NeMo Gym 0.7's own vllm_model client, for tests/test_serve_required_prefix.py. nemo-gym 0.7 declares
+# Python >= 3.13.14 and pins openai 2.44 (its Responses conversion fails on this venv's openai 3), so
+# it goes into a directory of its own, without its dependency set (mlflow, wandb, datasets, ...): the
+# package, its pinned openai (+ distro), and the modules its vllm_model server imports that the venv
+# lacks. The test runs Gym's client in a subprocess with PYTHONPATH=<that directory>/pins:<that
+# directory>: the pins ahead of the venv's packages, so Gym sees its own openai (Gym itself moves its
+# install directory behind site-packages when it is imported).
+gym=.venv/nemo-gym-0.7
+if [ ! -f "$gym/.installed" ]; then
+  echo "[setup] installing nemo-gym 0.7 (its vllm_model client, for tests) into $gym"
+  rm -rf "$gym"
+  .venv/bin/pip install -q --no-deps --ignore-requires-python --target "$gym" "nemo-gym==0.7.0" \
+    "orjson==3.13.0" "omegaconf==2.4.0" "hydra-core==1.3.8" "antlr4-python3-runtime==4.9.3" \
+    "itsdangerous==2.2.0" "yappi==1.7.6" "pydot==4.0.1" >/dev/null
+  .venv/bin/pip install -q --no-deps --target "$gym/pins" "openai==2.44.0" "distro==1.9.0" >/dev/null
+  touch "$gym/.installed"
+fi
+
 echo "[setup] tiny model: $(.venv/bin/rollout-service build-tiny-model --quiet)"

@@ -426,6 +426,27 @@ ROWS = _rows() + [
     p(Bad("tokenize", raw=b'{"prompt":"\\ud800"}', code="invalid_unicode"), id="tokenize-lone-surrogate"),
     p(Bad("tokenize", {"prompt": "x"}, param=None), id="tokenize-prompt-and-messages"),
     p(Bad("tokenize", {"messages": DROP}), id="tokenize-neither-prompt-nor-messages"),
+    # ---------------------------------------------------------------- required_prefix_token_ids (NeMo Gym 0.7)
+    *[p(Bad(route, {"required_prefix_token_ids": value}, headers=headers, param="required_prefix_token_ids",
+            code="invalid_required_prefix"), id=f"{route}-required-prefix-{label}-{mode}")
+      for route in ("chat", "tokenize")
+      for mode, headers in (("stored", {}), ("stateless", NO_ROLLOUT))
+      for label, value in (("bool", [151644, True]), ("float", [151644, 1.0]), ("numeric-string", ["151644"]),
+                           ("null-entry", [151644, None]), ("negative", [151644, -1]), ("out-of-vocab", [VOCAB]),
+                           ("huge", [2**70]), ("not-a-list", 151644), ("object", {"ids": [1]}))],
+    *[p(Bad(route, {"messages": [{"role": "user", "content": "x"}], "required_prefix_token_ids": [151644, 872]},
+            headers=NO_ROLLOUT, param="required_prefix_token_ids", code="prefix_not_continuable"),
+        id=f"{route}-required-prefix-without-assistant-message") for route in ("chat", "tokenize")],
+    *[p(Bad(route, lambda r: {"messages": r.messages()[:2], "required_prefix_token_ids": r.prompt_ids + r.gen_ids},
+            headers=NO_ROLLOUT, param="required_prefix_token_ids", code="prefix_not_continuable"),
+        id=f"{route}-required-prefix-nothing-after-assistant") for route in ("chat", "tokenize")],
+    *[p(Bad(route, lambda r: {"messages": r.messages(content=r.content),
+                              "required_prefix_token_ids": r.prompt_ids + r.gen_ids[:-1]},
+            headers=NO_ROLLOUT, param="required_prefix_token_ids", code="prefix_not_continuable"),
+        id=f"{route}-required-prefix-differs-from-echo") for route in ("chat", "tokenize")],
+    *[p(Bad(route, lambda r: {"required_prefix_token_ids": [9707] + r.prompt_ids + r.gen_ids}, status=409,
+            param="required_prefix_token_ids", code="prefix_mismatch"), id=f"{route}-required-prefix-not-stored-ids")
+      for route in ("chat", "tokenize")],
     # ---------------------------------------------------------------- size
     *[p(Bad(route, {"metadata": {"pad": "x" * (9 * 1024 * 1024)}}, status=413, code="request_too_large"),
         id=f"{route}-body-over-limit") for route in ("chat", "completions")],

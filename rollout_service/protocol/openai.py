@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, WithJsonSchema, field_validator, model_validator
 
 # The fields we read are typed strictly: a JSON ``true`` is not the integer 1, ``"0.5"`` is not a
 # number, ``1.0`` is not a token id (pydantic's lax mode would coerce each of them silently).
@@ -231,6 +231,13 @@ class SamplingFields(_Lenient):
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
+# NeMo Gym 0.7's exact-prefix extension: the prompt must start with these ids (docs/data-plane.md).
+# Typed loosely here so that every mistake (not a list, a bool, an id outside the vocabulary) gets
+# the same 400 from the on-policy core (``invalid_required_prefix``); the schema says what is meant.
+RequiredPrefix = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                                          {"type": "null"}]})]
+
+
 class ChatCompletionRequest(SamplingFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -247,6 +254,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
+    required_prefix_token_ids: RequiredPrefix = None
     response_format: ResponseFormat | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -321,6 +329,7 @@ class TokenizeRequest(_Lenient):
     add_special_tokens: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False
+    required_prefix_token_ids: RequiredPrefix = None
     metadata: dict[str, Any] | None = None
 
     @model_validator(mode="after")

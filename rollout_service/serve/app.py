@@ -481,7 +481,8 @@ class RolloutService:
                   "messages": [m.to_plain() for m in body.messages] if body.messages is not None else None,
                   "tools": [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
                   "chat_template_kwargs": body.chat_template_kwargs, "add_special_tokens": body.add_special_tokens,
-                  "return_token_strs": body.return_token_strs}
+                  "return_token_strs": body.return_token_strs,
+                  "required_prefix_token_ids": body.required_prefix_token_ids}
         return JSONResponse(await self._on_owner(rid, "tokenize", kwargs))
 
     @fastapi_app.get("/v1/rollouts/{rollout_id}")

@@ -54,6 +54,9 @@ class TurnRequest:
     history_policy: Literal["fork", "reject"] | None = None
     idempotency_key: str | None = None
     want_token_strs: bool = False
+    # NeMo Gym 0.7's exact-prefix extension, as sent (checked by the runner): the prompt must start
+    # with these ids (the previous call's prompt + generation).
+    required_prefix_token_ids: Any = None
     # Chat-completions form ({"type": "json_object"} / {"type": "json_schema", "json_schema": {...}});
     # the Responses dialect converts its ``text.format`` to it.
     response_format: dict[str, Any] | None = None
@@ -70,6 +73,8 @@ class TurnRequest:
             "chat_template_kwargs": self.chat_template_kwargs or {}, "sampling": self.sampling,
             "max_tokens": self.max_tokens, "top_logprobs": self.top_logprobs, "history_policy": self.history_policy,
         }
+        if self.required_prefix_token_ids:
+            body["required_prefix_token_ids"] = self.required_prefix_token_ids
         if self.response_format is not None:
             body["response_format"] = self.response_format
         if self.parallel_tool_calls is not None:

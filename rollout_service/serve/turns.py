@@ -39,7 +39,8 @@ from rollout_service.onpolicy.parsing import structured_outputs_for, tool_parser
 from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_turn, stored_answer
 from rollout_service.onpolicy.trajectory import trajectory_export
 from rollout_service.onpolicy.echo import _checked_echo
-from rollout_service.onpolicy.errors import InvalidEcho
+from rollout_service.onpolicy.errors import InvalidEcho, InvalidPrefix, PrefixNotContinuable
+from rollout_service.onpolicy.prefix import checked_prefix, plan_on_prefix
 from rollout_service.onpolicy.types import RolloutState, Segment, WeightSpan
 from rollout_service.protocol.openai import ServiceError, bad_request
 from rollout_service.serve.streaming import StreamParser
@@ -53,7 +54,7 @@ try:  # the store signals a full Redis (maxmemory, noeviction) with its own erro
 except ImportError:  # pragma: no cover - older store module
     StoreFull = None  # type: ignore[assignment]
 
-_CLIENT_ERRORS = (HistoryConflict, UnsupportedConversation, InvalidEcho)
+_CLIENT_ERRORS = (HistoryConflict, UnsupportedConversation, InvalidEcho, InvalidPrefix, PrefixNotContinuable)
 
 REPLAY_WAIT_S = 600.0  # a retry waits at most this long for the original call still in flight
 
@@ -143,18 +144,41 @@ class TurnRunner:
         except _CLIENT_ERRORS as exc:
             raise _core_error(exc) from None
 
-    def _plan(self, state, messages, req: TurnRequest):
+    def _required_prefix(self, req: TurnRequest) -> list[int] | None:
         try:
-            if req.rollout_id is not None:
-                # A stored rollout does not use echoed ids (its own are the truth), but malformed
+            return checked_prefix(req.required_prefix_token_ids, self.vocab_size)
+        except InvalidPrefix as exc:
+            raise _core_error(exc) from None
+
+    def _plan(self, state, messages, req: TurnRequest, prefix: list[int] | None = None):
+        """The prompt plan; with a required prefix (docs/data-plane.md): a stateless call, or a rollout's
+        first call, continues the prefix (``plan_on_prefix``); a stored rollout's prompt comes from its
+        own ids as always and must start with the prefix (409 ``prefix_mismatch`` otherwise)."""
+        try:
+            if req.rollout_id is not None or prefix is not None:
+                # A stored rollout (or a required prefix) does not use echoed ids, but malformed
                 # ones are still a client bug: the same 400 as in stateless mode.
                 _checked_echo(messages, self.vocab_size)
-            return build_prompt(state, messages, tools=req.tools, chat_template_kwargs=self._template_kwargs(req),
+            if prefix is not None and (state is None or not state.turn):
+                return plan_on_prefix(prefix, messages, template=self.template, tools=req.tools,
+                                      chat_template_kwargs=self._template_kwargs(req),
+                                      reasoning_policy=self.config.service.reasoning_policy,
+                                      segment_index=len(state.segments) if state is not None else 0,
+                                      base_turn=state.turn if state is not None else 0)
+            plan = build_prompt(state, messages, tools=req.tools, chat_template_kwargs=self._template_kwargs(req),
                                 template=self.template,
                                 history_policy=req.history_policy or self.config.service.history_policy,
                                 reasoning_policy=self.config.service.reasoning_policy)
         except _CLIENT_ERRORS as exc:
             raise _core_error(exc) from None
+        if prefix is not None and plan.prompt_ids[: len(prefix)] != prefix:
+            ids = plan.prompt_ids
+            at = next((j for j, (a, b) in enumerate(zip(ids, prefix)) if a != b), min(len(ids), len(prefix)))
+            raise ServiceError(409, f"required_prefix_token_ids ({len(prefix)} ids) differ at position {at} from the "
+                               f"{len(ids)}-id prompt rollout {req.rollout_id!r} continues from its stored tokens "
+                               "(normally the prefix is the previous call's prompt + generation)",
+                               type="conflict_error", param="required_prefix_token_ids", code="prefix_mismatch")
+        return plan
 
     def token_strs(self, ids, tops=None) -> dict[int, str]:
         wanted = set(ids)
@@ -165,18 +189,21 @@ class TurnRunner:
     # ------------------------------------------------------------------ reads
     async def tokenize(self, *, rollout_id: str | None, prompt: str | None, messages: list[dict] | None,
                        tools: list[dict] | None, chat_template_kwargs: dict | None, add_special_tokens: bool,
-                       return_token_strs: bool) -> dict[str, Any]:
+                       return_token_strs: bool, required_prefix_token_ids: Any = None) -> dict[str, Any]:
         """The prompt ids the next call of this rollout would use (nothing generated or stored)."""
         if prompt is not None:
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             req = TurnRequest(messages=messages or [], tools=tools, chat_template_kwargs=chat_template_kwargs,
-                              rollout_id=_rollout_id(rollout_id))
-            if req.rollout_id is None:
+                              rollout_id=_rollout_id(rollout_id), required_prefix_token_ids=required_prefix_token_ids)
+            prefix = self._required_prefix(req)
+            if req.rollout_id is None and prefix is None:
                 state, msgs = self._echo_state(req)
+            elif req.rollout_id is None:
+                state, msgs = None, req.messages
             else:
                 state, msgs = await self._load(req.rollout_id), req.messages
-            ids = self._plan(state, msgs, req).prompt_ids
+            ids = self._plan(state, msgs, req, prefix).prompt_ids
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if return_token_strs:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
@@ -314,10 +341,11 @@ class TurnRunner:
         # block: the whole output is the answer, not reasoning the parser would assume it is.
         reasoning_parser = None if _grammar_from_start(req, structured) else self.config.engine.reasoning_parser
         sampling = self._sampling(req.sampling, req.top_logprobs, structured)
-        if rollout_id is None:
+        prefix = self._required_prefix(req)
+        if rollout_id is None and prefix is None:
             state, messages = self._echo_state(req)
         try:
-            plan = self._plan(state, messages, req)
+            plan = self._plan(state, messages, req, prefix)
         except ServiceError as exc:
             if exc.code == "non_monotonic_history":  # history_policy reject refused an edited history
                 get_metrics().turn("reject")
@@ -679,6 +707,9 @@ def _rollout_id(rid: str | None) -> str | None:
 
 
 def _core_error(exc: Exception) -> ServiceError:
+    if isinstance(exc, (InvalidPrefix, PrefixNotContinuable)):
+        code = "invalid_required_prefix" if isinstance(exc, InvalidPrefix) else "prefix_not_continuable"
+        return ServiceError(400, str(exc), param="required_prefix_token_ids", code=code)
     if isinstance(exc, HistoryConflict):
         param = f"messages[{exc.index}].{exc.field}" if exc.index is not None else "messages"
         return ServiceError(409, str(exc), type="conflict_error", param=param, code="non_monotonic_history")
