@@ -115,6 +115,22 @@ def test_a_rollouts_first_call_with_a_prefix_starts_its_segment_from_it(http, ti
     assert seg["loss_mask"] == [0] * n + [1] * len(msg["generation_token_ids"])  # the prefix is prompt here
 
 
+def test_streamed_call_sends_the_prompt_ids_first_like_vllm(http, tiny_tokenizer):
+    first = [{"role": "user", "content": "Describe the jeans."}]
+    prefix = _fresh_prompt(http, first) + [SKIN, NY, IM_END]
+    new = [{"role": "user", "content": "Tighter?"}]
+    body = {"model": MODEL, "messages": first + [{"role": "assistant", "content": " Skinny"}] + new, "max_tokens": 4,
+            "seed": 7, "stream": True, "return_token_ids": True, "required_prefix_token_ids": prefix}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == prefix + _tail(tiny_tokenizer, new, ended_with_eot=True)
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    final = chunks[-1]["choices"][0]
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == final["delta"]["generation_token_ids"]
+    assert final["delta"]["prompt_token_ids"] == chunks[0]["prompt_token_ids"]
+
+
 def test_empty_prefix_is_no_constraint(http):
     messages = [{"role": "user", "content": "hi"}]
     a = _chat(http, messages).json()["choices"][0]["message"]

@@ -105,6 +105,7 @@ class TokenDelta:
     reasoning: str = ""
     content: str = ""
     token_strs: dict[int, str] | None = None
+    prompt_token_ids: list[int] | None = None  # on a call's first delta only (streamed first, as vLLM does)
 
 
 @dataclass

@@ -290,7 +290,8 @@ class TurnRunner:
                 if req.stream:
                     yield TokenDelta(token_ids=replay.generation_token_ids, logprobs=replay.generation_log_probs,
                                      reasoning=replay.message.get("reasoning_content") or "",
-                                     content=replay.message.get("content") or "")
+                                     content=replay.message.get("content") or "",
+                                     prompt_token_ids=replay.prompt_token_ids)
                 get_metrics().turn("replay")
                 yield replay
                 return
@@ -362,6 +363,7 @@ class TurnRunner:
         lps: list[float] = []
         tops: list[dict[int, float]] = []
         final_chunk = None
+        prompt_sent = False
         chunks = self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=req.stream)
         if constrained:
             chunks = self._constrained_refusal(chunks, req)
@@ -376,7 +378,9 @@ class TurnRunner:
                 if chunk.token_ids or reasoning or content:
                     yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
                                      reasoning=reasoning, content=content,
-                                     token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs) if req.want_token_strs else None)
+                                     token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs) if req.want_token_strs else None,
+                                     prompt_token_ids=None if prompt_sent else plan.prompt_ids)
+                    prompt_sent = True
         assert final_chunk is not None
         finish_reason = final_chunk.finish_reason or "stop"
 

@@ -56,6 +56,7 @@ class RolloutChunkChoice(ch.Choice):
 
 class RolloutChunk(ch.ChatCompletionChunk):
     choices: list[RolloutChunkChoice]
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk, as vLLM sends it
 
 
 def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnRequest:
@@ -124,12 +125,14 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     as_ids = bool(req.return_tokens_as_token_ids)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None, **extra) -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None, prompt=None, **extra) -> bytes:
         choice = RolloutChunkChoice(index=0, delta=RolloutDelta(**delta), finish_reason=finish, logprobs=logprobs, **extra)
-        body = RolloutChunk(id=cid, object="chat.completion.chunk", created=created, model=model, choices=[choice])
+        top = {"prompt_token_ids": prompt} if prompt is not None else {}
+        body = RolloutChunk(id=cid, object="chat.completion.chunk", created=created, model=model, choices=[choice], **top)
         return _frame(body)
 
-    yield chunk({"role": "assistant", "content": ""})
+    yield chunk({"role": "assistant", "content": ""},
+                prompt=getattr(first, "prompt_token_ids", None) if req.return_token_ids else None)
     event = first
     try:
         while True:
