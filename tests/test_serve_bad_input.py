@@ -434,6 +434,12 @@ ROWS = _rows() + [
       for label, value in (("bool", [151644, True]), ("float", [151644, 1.0]), ("numeric-string", ["151644"]),
                            ("null-entry", [151644, None]), ("negative", [151644, -1]), ("out-of-vocab", [VOCAB]),
                            ("huge", [2**70]), ("not-a-list", 151644), ("object", {"ids": [1]}))],
+    *[p(Bad("responses", {"required_prefix_token_ids": value}, headers=headers, param="required_prefix_token_ids",
+            code="invalid_required_prefix"), id=f"responses-required-prefix-{label}-{mode}")
+      for mode, headers in (("stored", {}), ("stateless", NO_ROLLOUT))
+      for label, value in (("bool", [151644, True]), ("out-of-vocab", [VOCAB]), ("not-a-list", "151644"))],
+    p(Bad("tokenize", {"messages": DROP, "prompt": "hi", "required_prefix_token_ids": [151644]},
+          param="required_prefix_token_ids"), id="tokenize-required-prefix-with-a-prompt"),
     *[p(Bad(route, {"messages": [{"role": "user", "content": "x"}], "required_prefix_token_ids": [151644, 872]},
             headers=NO_ROLLOUT, param="required_prefix_token_ids", code="prefix_not_continuable"),
         id=f"{route}-required-prefix-without-assistant-message") for route in ("chat", "tokenize")],

@@ -62,6 +62,17 @@ def test_prefix_ids_are_kept_where_re_tokenizing_the_text_would_merge_them(http,
     assert r.json()["tokens"] == prompt  # /tokenize honours the prefix the same way
 
 
+def test_responses_dialect_takes_the_prefix_too(http, tiny_tokenizer):
+    first = [{"role": "user", "content": "Describe the jeans."}]
+    prefix = _fresh_prompt(http, first) + [SKIN, NY, IM_END]
+    new = [{"role": "user", "content": "Tighter?"}]
+    body = {"model": MODEL, "input": first + [{"type": "message", "role": "assistant", "content": " Skinny"}] + new,
+            "max_output_tokens": 4, "required_prefix_token_ids": prefix}
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][-1]["prompt_token_ids"] == prefix + _tail(tiny_tokenizer, new, ended_with_eot=True)
+
+
 def test_prefix_of_a_real_previous_call_cut_by_max_tokens_is_closed_like_the_template(http, tiny_tokenizer):
     first = [{"role": "user", "content": "Tell me about Paris."}]
     one = _chat(http, first, max_tokens=6, ignore_eos=True).json()["choices"][0]["message"]

@@ -309,6 +309,7 @@ class ResponsesRequest(SamplingFields):
     metadata: dict[str, Any] | None = None
     previous_response_id: str | None = None
     store: StrictBool | None = None
+    required_prefix_token_ids: RequiredPrefix = None
     text: ResponsesTextConfig | None = None
 
     @field_validator("input")
