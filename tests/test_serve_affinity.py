@@ -95,3 +95,23 @@ async def test_killed_affinity_replica_loses_no_rollout(service):
     for rid in moved:
         assert killed[0] not in state[rid]["replicas"][2:]
     _check_trajectories(service.url, state)
+    await _healed(service.url)
+
+
+async def _healed(url: str, timeout_s: float = 120.0) -> None:
+    """The service heals: Serve's replacement replica answers rollouts again (and the session's
+    later tests get the service they started with: both replicas serving)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    seen: set[str] = set()
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while len(seen) < 2:
+            assert loop.time() < deadline, f"only replicas {seen} answered {timeout_s:.0f} s after the kill"
+            rid = f"heal-{uuid.uuid4().hex[:8]}"
+            r = await client.post("/v1/chat/completions", headers={"X-Rollout-Id": rid},
+                                  json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+            if r.status_code == 200:
+                seen.add(r.headers["x-rollout-replica"])
+            else:
+                await asyncio.sleep(0.5)
+            await client.delete(f"/v1/rollouts/{rid}", headers={"X-Rollout-Id": rid})

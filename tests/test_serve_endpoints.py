@@ -144,6 +144,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_engine_request(service)
     with httpx.Client(base_url=service.url, timeout=60) as client:
         with client.stream("POST", "/v1/chat/completions", json=body,
                            headers={"X-Rollout-Id": f"gone-{uuid.uuid4().hex[:8]}"}) as r:
+            assert r.status_code == 200, r.read()
             for line in r.iter_lines():
                 if '"token_ids"' in line or '"content"' in line:
                     break

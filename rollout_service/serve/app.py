@@ -50,6 +50,7 @@ from rollout_service.protocol.openai import (
 )
 from rollout_service.serve.dialects import chat, completions, responses
 from rollout_service.serve.dialects.common import RolloutHeaders, rollout_headers, unicode_body
+from rollout_service.serve.routing import ROUTER_CLASS
 from rollout_service.serve.turn_types import TokenDelta, TurnError, TurnRequest, TurnResult
 
 logger = logging.getLogger(__name__)
@@ -564,7 +565,7 @@ def build_app(args: dict[str, Any] | RolloutServiceConfig | None = None):
         ray_actor_options={"num_cpus": 0},
         logging_config={"enable_access_log": cfg.service.access_log},
         request_router_config=RequestRouterConfig(
-            request_router_class="ray.serve.experimental.consistent_hash_router:ConsistentHashRouter",
+            request_router_class=ROUTER_CLASS,  # Ray's ConsistentHashRouter with Ray's routing loop (serve/routing.py)
             request_router_kwargs={"num_fallback_replicas": 0},
         ),
     )(RolloutService)

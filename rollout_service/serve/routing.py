@@ -1,0 +1,33 @@
+"""The Serve request router of the app: Ray's consistent-hash router with Ray's own routing loop.
+
+``ray.serve.experimental.consistent_hash_router.ConsistentHashRouter`` (Ray 2.60) maps each
+rollout id to one replica, which is what we need (docs/data-plane.md). But it overrides the router's
+task loop (``_fulfill_pending_requests``) with a copy of an older version of Ray's, without two
+fixes the base class has since received:
+
+- after a replica is chosen it ``break``s even when the request it popped was not the one
+  fulfilled (the base keeps routing until its own request is done);
+- a routing task that retires does not start a replacement when requests arrived meanwhile (the
+  base does: "Start replacement tasks if routing work remains").
+
+Either leaves a request with no task routing it: the call hangs until the client gives up. We saw
+calls hang 120 s (about one in a few hundred under load, and in full test-suite runs after a replica
+was killed and replaced); these two gaps are the likely cause, not reproduced in isolation. The
+ring, the hashing and ``choose_replicas`` are unchanged (affinity is tested); only
+the loop is Ray's current one (``RequestRouter._fulfill_pending_requests``), whose invariants cover
+the consistent-hash router's own: it exits when nothing is pending and keeps a popped request's
+routing going until that request is fulfilled.
+"""
+
+from __future__ import annotations
+
+from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
+from ray.serve.request_router import RequestRouter
+
+ROUTER_CLASS = "rollout_service.serve.routing:RolloutRouter"
+
+
+class RolloutRouter(ConsistentHashRouter):
+    """Consistent hashing on the request's session id (= rollout id), strict (no fallback replica)."""
+
+    _fulfill_pending_requests = RequestRouter._fulfill_pending_requests
