@@ -385,8 +385,10 @@ def app_deployments(args: dict | None) -> dict:
 
 def _routed_by_rollout(deployment) -> bool:
     """The deployment sized by service.num_affinity_replicas: requests routed by rollout id."""
-    router = deployment._deployment_config.request_router_config.request_router_class
-    return "consistent_hash" in str(router)
+    from rollout_service.serve.routing import ROUTER_CLASS
+
+    router = str(deployment._deployment_config.request_router_config.request_router_class)
+    return router == ROUTER_CLASS or "consistent_hash" in router
 
 
 def head_placement_problems(rs: dict) -> list[str]:
