@@ -78,24 +78,42 @@ async def test_each_rollout_sticks_to_one_replica(service):
     _check_trajectories(service.url, state)
 
 
-async def test_killed_affinity_replica_loses_no_rollout(service):
+@pytest.fixture(scope="module")
+def drill_url(service):
+    """A second app of the same service (same fleet, store and config, its own two replicas): the
+    kill drill below kills one of *its* replicas, not one of the session service's, which every
+    later test uses (a replica kill there once left a later call hanging: docs/data-plane.md)."""
+    from ray import serve
+
+    from rollout_service.serve.app import build_app
+
+    serve.run(build_app(service.config.model_copy(deep=True)), name="kill-drill", route_prefix="/kill-drill")
+    yield f"{service.url}/kill-drill"
+    serve.delete("kill-drill")
+
+
+def _drill_replicas():
+    return [a for a in _affinity_replicas() if "kill-drill" in a["name"]]
+
+
+async def test_killed_affinity_replica_loses_no_rollout(drill_url):
     rids = [f"kill-{i}-{uuid.uuid4().hex[:6]}" for i in range(16)]
     state = _new_state(rids)
     killed = []
 
     async def kill_one():
         victim_id = collections.Counter(s["replicas"][-1] for s in state.values()).most_common(1)[0][0]
-        victim = next(a for a in _affinity_replicas() if victim_id in a["name"])
+        victim = next(a for a in _drill_replicas() if victim_id in a["name"])
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)
         killed.append(victim_id)
 
-    await _run_rollouts(service.url, rids, range(1, 6), state, between=(3, kill_one))
+    await _run_rollouts(drill_url, rids, range(1, 6), state, between=(3, kill_one))
     moved = [rid for rid, s in state.items() if killed[0] in s["replicas"][:2]]
     assert moved, "no rollout was on the killed replica"
     for rid in moved:
         assert killed[0] not in state[rid]["replicas"][2:]
-    _check_trajectories(service.url, state)
-    await _healed(service.url)
+    _check_trajectories(drill_url, state)
+    await _healed(drill_url)
 
 
 async def _healed(url: str, timeout_s: float = 120.0) -> None:

@@ -445,8 +445,11 @@ class RolloutService:
                                      media_type="text/event-stream",
                                      headers={"x-rollout-replica": self.replica_id})
         event = first
-        while not isinstance(event, TurnResult):
-            event = await events.__anext__()
+        try:
+            while not isinstance(event, TurnResult):
+                event = await events.__anext__()
+        finally:
+            await events.aclose()  # the call's cleanup runs now, not whenever the generator is collected
         body = dialect.response(event, req, self.served_name)
         headers = {"x-rollout-replica": self.replica_id}
         if event.replica:

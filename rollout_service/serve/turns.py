@@ -286,6 +286,12 @@ class TurnRunner:
                                    code="concurrent_turn")
         claim = _InFlight(digest, req.idempotency_key)
         self.in_flight[rollout_id] = claim
+
+        def release() -> None:
+            claim.done.set()
+            if self.in_flight.get(rollout_id) is claim:
+                del self.in_flight[rollout_id]
+
         try:
             state = await self._load(rollout_id)
             replay = self._replay_of(state, req, digest)
@@ -299,11 +305,11 @@ class TurnRunner:
                 yield replay
                 return
             async for event in self._run(req, state, digest):
+                if isinstance(event, TurnResult):
+                    release()  # stored: the rollout is free before the consumer reads the result
                 yield event
         finally:
-            claim.done.set()
-            if self.in_flight.get(rollout_id) is claim:
-                del self.in_flight[rollout_id]
+            release()
 
     def _replay_of(self, state: RolloutState | None, req: TurnRequest, digest: str) -> TurnResult | None:
         """The stored answer this request repeats, if it repeats one (see the module docstring)."""
@@ -583,11 +589,18 @@ async def _counted(mode: str, events: AsyncIterator) -> AsyncIterator:
     """A call's events, counted (calls by mode) and in flight while they run (metrics)."""
     metrics = get_metrics()
     metrics.call_started(mode)
+    ended = False
     try:
         async for event in events:
+            if isinstance(event, TurnResult) and not ended:
+                # The call is over once its result exists: not when (or whether) the consumer
+                # closes this generator after reading it.
+                ended = True
+                metrics.call_ended(mode)
             yield event
     finally:
-        metrics.call_ended(mode)
+        if not ended:
+            metrics.call_ended(mode)
 
 
 def _cancel(call) -> None:
