@@ -10,10 +10,10 @@ fixes the base class has since received:
 - a routing task that retires does not start a replacement when requests arrived meanwhile (the
   base does: "Start replacement tasks if routing work remains").
 
-Either leaves a request with no task routing it: the call hangs until the client gives up. We saw
-calls hang 120 s (about one in a few hundred under load, and in full test-suite runs after a replica
-was killed and replaced); these two gaps are the likely cause, not reproduced in isolation. The
-ring, the hashing and ``choose_replicas`` are unchanged (affinity is tested); only
+Either leaves a request with no task routing it: the call hangs until the client gives up. (A hang
+of that kind seen in full test runs after a replica replacement also happened with this router, so
+it has another cause too: docs/data-plane.md, "Known open problem".) The ring, the hashing and
+``choose_replicas`` are unchanged (affinity is tested); only
 the loop is Ray's current one (``RequestRouter._fulfill_pending_requests``), whose invariants cover
 the consistent-hash router's own: it exits when nothing is pending and keeps a popped request's
 routing going until that request is fulfilled.
