@@ -104,8 +104,6 @@ def parse_output(
     end) see it, as vLLM's server does. Like vLLM's detokenizer, a final stop token (by default
     any special token, e.g. ``<|im_end|>``) is not part of the parsed text; it stays in the ids.
     """
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
     gen_ids = [int(t) for t in gen_ids]
     tokenizer = _vllm_tokenizer(tokenizer)
     if stop_token_ids is None:
@@ -117,14 +115,7 @@ def parse_output(
     parser_cls = None
     if reasoning_parser or tool_parser:
         parser_cls = _parser_cls(reasoning_parser, tool_parser, _TokenizerKey(tokenizer), strict_level)
-    request = ChatCompletionRequest(
-        model="rollout-service",
-        messages=[{"role": "user", "content": ""}],
-        tools=tools or None,
-        tool_choice=(tool_choice if tools else "none") if tool_choice is not None else None,
-        parallel_tool_calls=parallel_tool_calls,
-        chat_template_kwargs=kwargs or None,
-    )
+    request = _call_request(tools, tool_choice, parallel_tool_calls, chat_template_kwargs=kwargs or None)
     if parser_cls is None:
         text = tokenizer.decode(text_ids, skip_special_tokens=True)
         return AssistantOutput(content=text, reasoning_content=None, tool_calls=[], text=text)
@@ -172,8 +163,6 @@ def structured_outputs_for(
     one with newlines). Raises
     ``pydantic.ValidationError`` / ``ValueError`` for a ``response_format`` vLLM refuses.
     """
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
     if not tools and response_format is None:
         return None
     if tools and tool_choice not in (None, "auto", "none"):
@@ -181,14 +170,7 @@ def structured_outputs_for(
         # the tool says ``strict: false``: vLLM pins a schema only for strict tools.
         tools = [_strict_unless_said(t) for t in tools]
     tokenizer = _vllm_tokenizer(tokenizer)
-    request = ChatCompletionRequest(
-        model="rollout-service",
-        messages=[{"role": "user", "content": ""}],
-        tools=tools or None,
-        tool_choice=(tool_choice if tools else "none") if tool_choice is not None else None,
-        parallel_tool_calls=parallel_tool_calls,
-        response_format=response_format,
-    )
+    request = _call_request(tools, tool_choice, parallel_tool_calls, response_format=response_format)
     if tool_parser and tools:
         parser = _parser_cls(reasoning_parser, tool_parser, _TokenizerKey(tokenizer), strict_level)(tokenizer, request.tools)
         request = parser.adjust_request(request)
@@ -230,6 +212,21 @@ def tool_parser_raises_strictness(tool_parser: str | None) -> bool:
     from vllm.tool_parsers import ToolParserManager
 
     return getattr(ToolParserManager.get_tool_parser(tool_parser), "default_tool_strict_level", None) is not None
+
+
+def _call_request(tools, tool_choice, parallel_tool_calls, **fields):
+    """vLLM's request model for one call, as its parsers see it: the tool fields and ``fields``
+    (messages are irrelevant to parsing and to the grammar decision)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest(
+        model="rollout-service",
+        messages=[{"role": "user", "content": ""}],
+        tools=tools or None,
+        tool_choice=(tool_choice if tools else "none") if tool_choice is not None else None,
+        parallel_tool_calls=parallel_tool_calls,
+        **fields,
+    )
 
 
 def _strict_unless_said(tool: dict) -> dict:

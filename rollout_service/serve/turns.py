@@ -475,12 +475,10 @@ class TurnRunner:
             await chunks.aclose()  # an abandoned call cancels its engine request at once
 
     def _parse(self, ids: list[int], req: TurnRequest, prompt_ids: list[int], parse_tools: bool,
-               json_forced: bool = False, reasoning_parser: str | None = "") -> dict[str, Any]:
+               json_forced: bool, reasoning_parser: str | None) -> dict[str, Any]:
         if json_forced:
             return _parse_forced(self.tokenizer.decode(ids, skip_special_tokens=True), req.tool_choice)
         ec = self.config.engine
-        if reasoning_parser == "":
-            reasoning_parser = ec.reasoning_parser
         out = parse_output(ids, tokenizer=self.tokenizer, reasoning_parser=reasoning_parser,
                            tool_parser=ec.tool_parser if parse_tools else None, tools=req.tools,
                            tool_choice=_vllm_tool_choice(req) if parse_tools else "auto",
