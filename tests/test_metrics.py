@@ -255,3 +255,69 @@ def test_the_endpoint_counts_exactly_a_short_run(service, http, metrics_url, tra
     assert _value(after, "ray_rollout_service_engines", fleet=fleet, state="healthy") == service.config.engine.num_engines
     assert _value(after, "ray_rollout_service_calls_in_flight", mode="stateful") == 0
     assert _value(after, "ray_vllm_num_requests_running") == 0
+    # What the dashboard queries is on the endpoint under those names (vLLM's included); only what
+    # this session never records (a store error, an engine replacement) may be absent.
+    dash = json.loads(DASHBOARD.read_text())
+    queried = {n for p in dash["panels"] for t in p.get("targets", []) for n in re.findall(r"\b(ray_[a-z_]+)", t["expr"])}
+    never = {s for m in ("store_errors_total", "engine_replacements_total") for s in BY_NAME[NAME_PREFIX + m].exported_series()}
+    assert queried - never - {n for n, _, _ in after} == set()
+
+
+def test_the_endpoint_counts_replays_rejects_stateless_and_completion_calls(service, http, metrics_url):
+    """The turn kinds and call modes the short run above does not make, counted exactly: a retry
+    answered from the store (replay: no tokens, no lag), an edited history refused (reject, 409), a
+    stateless call (echo protocol) and a raw completion (a call, not a turn)."""
+    from serve_helpers import MODEL
+
+    before = _settled(metrics_url)
+
+    rid = f"metrics-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8, "seed": 1}
+    key = {"X-Rollout-Id": rid, "Idempotency-Key": f"k-{uuid.uuid4().hex[:8]}"}
+    first = http.post(CHAT, json=body, headers=key)
+    again = http.post(CHAT, json=body, headers=key)  # the same call retried: answered from the store
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert again.json()["choices"][0]["message"]["rollout"]["replayed"] is True
+    edited = {**body, "messages": [{"role": "user", "content": "Say something else."}]}
+    refused = http.post(CHAT, json=edited, headers={"X-Rollout-Id": rid, "X-History-Policy": "reject"})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "non_monotonic_history", refused.text
+    stateless = http.post(CHAT, json=body)
+    assert stateless.status_code == 200, stateless.text
+    completion = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "seed": 1})
+    assert completion.status_code == 200, completion.text
+
+    generated = {CHAT: sum(r.json()["usage"]["completion_tokens"] for r in (first, stateless)),
+                 "/v1/completions": completion.json()["usage"]["completion_tokens"]}
+    counted = {
+        ("requests_total", (("route", CHAT), ("status", "200"))): 3,
+        ("requests_total", (("route", CHAT), ("status", "409"))): 1,
+        ("requests_total", (("route", "/v1/completions"), ("status", "200"))): 1,
+        ("generated_tokens_total", (("route", CHAT),)): generated[CHAT],  # the replay adds none
+        ("generated_tokens_total", (("route", "/v1/completions"),)): generated["/v1/completions"],
+        ("version_lag_count", ()): 3,  # first, stateless, completion: not the replay, not the 409
+        ("turns_total", (("kind", "monotonic"),)): 2,  # the first call, the stateless call
+        ("turns_total", (("kind", "replay"),)): 1,
+        ("turns_total", (("kind", "reject"),)): 1,
+        ("turns_total", (("kind", "fork"),)): 0,
+        ("forks_total", ()): 0,
+        ("calls_total", (("mode", "stateful"),)): 3,
+        ("calls_total", (("mode", "stateless"),)): 1,
+        ("calls_total", (("mode", "completion"),)): 1,
+        ("store_latency_seconds_count", (("op", "load"),)): 3,
+        ("store_latency_seconds_count", (("op", "append"),)): 1,
+        ("store_errors_total", ()): 0,
+    }
+    expected = {(EXPORT_PREFIX + NAME_PREFIX + n, ls): v for (n, ls), v in counted.items()}
+
+    def moved(samples):
+        return {(n, ls): _value(samples, n, **dict(ls)) - _value(before, n, **dict(ls)) for n, ls in expected}
+
+    deadline = time.monotonic() + 9 * EXPORT_INTERVAL_S
+    while True:
+        got = moved(_scrape(metrics_url))
+        over = {k: v for k, v in got.items() if v > expected[k]}
+        assert over == {}, f"counted more than happened: {over} (expected {expected})"
+        if got == expected:
+            break
+        assert time.monotonic() < deadline, {k: (v, expected[k]) for k, v in got.items() if v != expected[k]}
+        time.sleep(1)
