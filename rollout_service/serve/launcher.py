@@ -17,14 +17,19 @@ from rollout_service.runtime import apply_ray_env
 apply_ray_env()  # before anything imports ray: keeps a local cluster on 127.0.0.1
 
 APP_NAME = "rollout-service"
+_INGRESS = {"haproxy": "HAProxy (Serve's HAProxy mode, hashing X-Rollout-Id to a replica that serves HTTP itself)",
+            "serve": "Serve's HTTP proxy (consistent hash on X-Rollout-Id)"}
 
 
 class LocalService:
     """Start / stop the whole service in-process (the CLI, tests and benchmarks use it)."""
 
     def __init__(self, config: RolloutServiceConfig, *, host: str = "127.0.0.1", port: int = 8000,
-                 data_dir: str | None = None, log=print, metrics_port: int | None = None):
+                 data_dir: str | None = None, log=print, metrics_port: int | None = None,
+                 proxy: str | None = None):
         self.config = config.model_copy(deep=True)
+        # The HTTP ingress (runtime.PROXY_ENV) for a Ray this starts; None: whatever the environment says.
+        self.proxy = proxy
         self.host, self.port = host, port
         self.metrics_port = metrics_port  # Ray's metrics export port when this starts Ray (None: Ray picks)
         self.metrics_url: str | None = None
@@ -55,11 +60,19 @@ class LocalService:
             self.log(f"[up] embedded redis-server at {self.config.store.redis_url} (pid {self.redis.pid})")
         model = self.config.engine.resolved_model()
         self.log(f"[up] model: {model}")
-        start_local_ray(metrics_port=self.metrics_port)
-        self.log(f"[up] Ray started ({time.perf_counter() - t0:.1f}s); loading {self.config.engine.num_engines} engine(s)...")
-        self.fleet = get_or_create_fleet(self.config)
         import ray
 
+        from rollout_service.runtime import apply_proxy_env, proxy_mode
+
+        if self.proxy is not None:
+            if not ray.is_initialized():
+                apply_proxy_env(self.proxy)
+            elif proxy_mode() != self.proxy:
+                self.log(f"[up] Ray is already running: its HTTP ingress stays as it was started, not {self.proxy}")
+        start_local_ray(metrics_port=self.metrics_port)
+        self.log(f"[up] HTTP ingress: {_INGRESS[proxy_mode()]}")
+        self.log(f"[up] Ray started ({time.perf_counter() - t0:.1f}s); loading {self.config.engine.num_engines} engine(s)...")
+        self.fleet = get_or_create_fleet(self.config)
         changed = ray.get(self.fleet.ensure_config.remote(self.config.model_dump()))
         if changed:
             self.log(f"[up] engine config differs from the running fleet's ({', '.join(changed)}): restarted it")
@@ -132,9 +145,10 @@ class LocalService:
 
 
 def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = None, redis_url: str | None = None,
-           metrics_port: int | None = None) -> int:
+           metrics_port: int | None = None, proxy: str | None = "haproxy") -> int:
     """Serve until SIGINT / SIGTERM, then stop everything this process started.
 
+    ``proxy``: the HTTP ingress, ``haproxy`` (measured the cheaper, docs/benchmarks.md) or ``serve``.
     ``metrics_port``: Prometheus metrics on ``http://127.0.0.1:<port>/metrics`` (Ray's metrics agent;
     0 or None: a port Ray picks); printed at start-up either way.
 
@@ -147,7 +161,7 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
     config = RolloutServiceConfig.from_yaml(config_path) if config_path else RolloutServiceConfig()
     if redis_url:
         config.store.redis_url = redis_url
-    svc = LocalService(config, host=host, port=port, metrics_port=metrics_port)
+    svc = LocalService(config, host=host, port=port, metrics_port=metrics_port, proxy=proxy)
     stop = threading.Event()
     phase = "starting"  # -> up -> stopping -> forced (a second signal) -> final (uninterruptible)
 
