@@ -3,13 +3,16 @@
 GPU placement is tested without CUDA: Ray schedules declared GPUs (a node started with
 ``num_gpus=8``) like real ones and sets ``CUDA_VISIBLE_DEVICES`` / ``ray.get_gpu_ids()`` per bundle
 (FIELD-NOTES, "Declared GPUs on a CPU machine"). That Ray runs in a subprocess (this session has its
-own GPU-less Ray, and a process can ray.init only once): one node with 8 GPUs, later joined by a
-second node with a custom resource for the pinning test. The real ``reserve_engine_placement`` and
-``create_engine_actor`` start a probe class in place of ``EngineReplica`` (so with the engine's exact
-actor options: resources, scheduling strategy, runtime_env, name); for TP > 1 the probe places one
-worker per GPU bundle of its *current* placement group with the options vLLM 0.32's
-``RayExecutorV2`` gives its workers (num_cpus=0, num_gpus=1, bundle i,
-RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES). vLLM itself is not started.
+own GPU-less Ray, and a process can ray.init only once): two nodes with 8 GPUs each, later joined
+by a third node (2 GPUs and a custom resource) for the pinning test. The real ``EngineFleet`` (in
+the probe's driver) starts 6 engines x TP 2 and 3 engines x TP 4 through the real
+``reserve_engine_placement`` and ``create_engine_actor``, with a probe class in place of
+``EngineReplica`` (so with the engine's exact actor options: resources, scheduling strategy,
+runtime_env, name); for TP > 1 the probe starts one worker actor per GPU bundle of its *current*
+placement group with the options vLLM 0.32's ``RayExecutorV2`` gives its ``RayWorkerProc`` workers
+(num_cpus=0, num_gpus=1, bundle i, RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), each reporting its
+node, GPU ids and ``CUDA_VISIBLE_DEVICES``. One engine of each fleet is killed and replaced by the
+fleet; then the fleet stops. vLLM itself is not started.
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ def test_engine_args_use_the_ray_executor_for_tensor_parallel_gpu_engines():
 # --------------------------------------------------------------------------- Ray with declared GPUs
 
 _PROBE = r'''
-import json, os, sys, tempfile, time, traceback
+import asyncio, json, os, sys, tempfile, time, traceback
 
 from rollout_service.runtime import RAY_ENV, apply_ray_env
 
@@ -136,8 +139,9 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollout_service.config import EngineConfig
+from rollout_service.config import EngineConfig, RolloutServiceConfig
 from rollout_service.engine import replica
+from rollout_service.fleet.fleet import EngineFleet
 from rollout_service.fleet.placement import PlacementUnavailable, release_engine_placement, reserve_engine_placement
 
 NOSET = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -155,56 +159,147 @@ def where():
 
 
 @ray.remote
-def worker_where():
-    return where()
+class WorkerProbe:
+    """Stands in for vLLM's RayWorkerProc: an actor holding its bundle's GPU for as long as it lives."""
+
+    def where(self):
+        return where()
 
 
 class EngineProbe:
-    """Stands in for EngineReplica: create_engine_actor starts it with the engine's exact options.
+    """Stands in for EngineReplica: create_engine_actor starts it with the engine's exact options, the
+    fleet drives it (start, process_info, weight_version, health, shutdown) as it drives an engine.
 
     Async methods, as EngineReplica has (max_concurrency=10000 on a threaded actor would mean 10000 threads).
     """
 
     def __init__(self, config, index, initial_weight_version):
-        self.config = config
+        self.config, self.index, self.version = config, index, initial_weight_version
+        self.workers = []
 
-    async def where(self):
-        return where()
-
-    async def probe_tp_workers(self):
+    async def start(self):
         # vllm/v1/executor/ray_executor_v2.py RayExecutorV2._init_executor, on one node: the current
         # placement group (ray_utils.initialize_ray_cluster), its bundles with a GPU in index order
-        # (ray_utils.get_bundles_sorted_by_node), the first world_size of them, one worker in each with
-        # num_cpus=0, num_gpus=1 and RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES. vLLM's workers are
-        # actors; tasks with the same options land in the same bundles and reuse worker processes.
-        pg = ray.util.get_current_placement_group()
-        gpu_bundles = [i for i, b in enumerate(pg.bundle_specs) if b.get("GPU")]
-        refs = [
-            worker_where.options(
-                num_cpus=0, num_gpus=1, runtime_env={"env_vars": {NOSET: "1"}},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
-            ).remote()
-            for i in gpu_bundles[: self.config.tensor_parallel_size]
-        ]
-        return [await r for r in refs]
+        # (ray_utils.get_bundles_sorted_by_node), one RayWorkerProc actor per bundle with num_cpus=0,
+        # num_gpus=1, PlacementGroupSchedulingStrategy(pg, bundle i) and
+        # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES. TP 1: the uni executor, no worker actor.
+        if self.config.device == "cuda" and self.config.tensor_parallel_size > 1:
+            pg = ray.util.get_current_placement_group()
+            gpu_bundles = [i for i, b in enumerate(pg.bundle_specs) if b.get("GPU")]
+            self.workers = [
+                WorkerProbe.options(
+                    num_cpus=0, num_gpus=1, runtime_env={"env_vars": {NOSET: "1"}},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+                ).remote()
+                for i in gpu_bundles[: self.config.tensor_parallel_size]
+            ]
+            await asyncio.gather(*[w.where.remote() for w in self.workers])
+        return 0.0
+
+    async def where(self):
+        out = where()
+        out["workers"] = list(await asyncio.gather(*[w.where.remote() for w in self.workers]))
+        return out
+
+    async def process_info(self):
+        return {"node_id": ray.get_runtime_context().get_node_id(), "processes": []}
+
+    async def weight_version(self):
+        return self.version
+
+    async def health(self):
+        return {"index": self.index, "in_flight": 0, "pid": os.getpid()}
+
+    def shutdown(self):
+        pass
 
 
 replica.EngineReplica = EngineProbe  # create_engine_actor looks the class up at call time
 
+# Small thresholds: a killed engine is seen and replaced in a second or two.
+FLEET = {"probe_interval_s": 0.3, "probe_timeout_s": 5.0, "dead_after_failures": 3, "unresponsive_after_s": 30.0,
+         "backoff_initial_s": 0.2, "max_replacements": 20, "replacement_window_s": 3600}
+
+
+def fleet_config(num_engines, tp, start_timeout_s=120.0):
+    return RolloutServiceConfig.model_validate({
+        "engine": {"model": "/models/probe", "device": "cuda", "num_engines": num_engines, "tensor_parallel_size": tp},
+        "fleet": {**FLEET, "start_timeout_s": start_timeout_s},
+    })
+
+
+def free_gpus():
+    return ray.available_resources().get("GPU", 0)
+
+
+def group_states(ids):
+    table = ray.util.placement_group_table()
+    return sorted({table[i]["state"] for i in ids if i in table})
+
+
+async def engines_where(fleet):
+    return [await s.actor.where.remote() for s in fleet.slots]
+
+
+async def wait_for(cond, timeout_s, what):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.1)
+
+
+async def fleet_scenario(num_engines, tp, replace_slot=None):
+    """The real EngineFleet (in this driver) starts num_engines x TP engines; optionally one is killed
+    and the fleet replaces it; then the fleet stops. Placement, GPUs and the groups' fate at each step."""
+    fleet = EngineFleet(fleet_config(num_engines, tp))
+    out = {}
+    try:
+        await fleet.start()
+        out["serving"] = fleet.health.serving()
+        out["engines"] = await engines_where(fleet)
+        out["own_pgs"] = [s.placement.placement_group.id.hex() for s in fleet.slots]
+        out["free_gpus_running"] = free_gpus()
+        if replace_slot is not None:
+            s = fleet.slots[replace_slot]
+            old = s.actor
+            generation = fleet.health.slots[replace_slot].generation
+            ray.kill(old, no_restart=True)
+            t0 = time.monotonic()
+            await wait_for(lambda: fleet.health.slots[replace_slot].generation > generation
+                           and replace_slot in fleet.health.serving(), 120, "replacement not serving")
+            out["replace_s"] = round(time.monotonic() - t0, 2)
+            out["replaced"] = await fleet.slots[replace_slot].actor.where.remote()
+            out["replaced_pg"] = fleet.slots[replace_slot].placement.placement_group.id.hex()
+            out["free_gpus_after_replacement"] = free_gpus()
+    finally:
+        ids = [s.placement.placement_group.id.hex() for s in fleet.slots if s.placement and s.placement.placement_group]
+        await fleet.shutdown()
+    await wait_for(lambda: free_gpus() == 16, 30, "GPUs not released after the fleet stopped")
+    out["free_gpus_after_stop"] = free_gpus()
+    out["pg_states_after_stop"] = group_states(ids)
+    return out
+
+
+def tp2_fleet():
+    return asyncio.run(fleet_scenario(6, 2, replace_slot=1))
+
+
+def tp4_fleet():
+    return asyncio.run(fleet_scenario(3, 4, replace_slot=0))
+
 
 def start_engines(config, timeout_s=30.0):
-    """What the fleet does: reserve each engine's placement, start the engine actor in it."""
+    """What the fleet does, without it: reserve each engine's placement, start the engine actor in it."""
     placements, engines = [], []
     try:
         for i in range(config.num_engines):
             placements.append(reserve_engine_placement(config, i, timeout_s=timeout_s))
         for i, p in enumerate(placements):
             engines.append(replica.create_engine_actor(config, i, placement=p, name=f"probe-engine-{i}-{time.monotonic_ns()}"))
+        ray.get([e.start.remote() for e in engines], timeout=90)
         out = [{"engine": w, "own_pg": p.placement_group.id.hex()}
                for w, p in zip(ray.get([e.where.remote() for e in engines], timeout=90), placements)]
-        if config.tensor_parallel_size > 1:
-            for o, e in zip(out, engines):  # engine by engine: the worker processes are reused
-                o["workers"] = ray.get(e.probe_tp_workers.remote(), timeout=60)
         return out, placements, engines
     except BaseException:
         stop(placements, engines)
@@ -241,14 +336,10 @@ def gpu_config(num_engines, tp, **kw):
     return EngineConfig(model="/models/probe", device="cuda", num_engines=num_engines, tensor_parallel_size=tp, **kw)
 
 
-def tp2():
-    config = gpu_config(4, 2)
-    out, placements, engines = start_engines(config)
-    try:
-        # A fifth engine does not fit while the four hold all 8 GPUs.
-        return {"engines": out, "fifth": expect_unavailable(config, 1.5)}
-    finally:
-        stop(placements, engines)
+def two_tp2():
+    out, placements, engines = start_engines(gpu_config(2, 2))
+    stop(placements, engines)
+    return {"nodes": [e["engine"]["node"] for e in out]}
 
 
 def tp1():
@@ -257,10 +348,48 @@ def tp1():
     return {"engines": out}
 
 
-def tp16():
-    res = expect_unavailable(gpu_config(1, 16), 1.5)
+def does_not_fit():
+    res = {}
+    # Four TP-4 engines take both nodes; a TP-2 engine more has nowhere to go (all 16 GPUs held).
+    out, placements, engines = start_engines(gpu_config(4, 4))
+    try:
+        res["full"] = expect_unavailable(gpu_config(1, 2), 1.5)
+    finally:
+        stop(placements, engines)
+    # TP 16 on nodes of 8 GPUs never fits (STRICT_PACK): the raw reservation (logging why while it
+    # waits, here after 0.5 s instead of a minute) ...
+    import logging
+    from rollout_service.fleet import placement as placement_module
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    warnings = []
+    placement_module.logger.addHandler(Keep())
+    placement_module.PENDING_WARNING_S = 0.5
+    try:
+        res["tp16"] = expect_unavailable(gpu_config(1, 16), 1.5)
+    finally:
+        placement_module.PENDING_WARNING_S = 60.0
+    res["tp16"]["warnings"] = warnings
     res["pg_states"] = sorted({v["state"] for v in ray.util.placement_group_table().values()})
-    res["free_gpus_after"] = ray.available_resources().get("GPU", 0)
+    res["free_gpus_after"] = free_gpus()
+
+    # ... and the fleet's start: an error naming the group, after fleet.start_timeout_s, not a hang.
+    async def fleet_start():
+        fleet = EngineFleet(fleet_config(1, 16, start_timeout_s=2.0))
+        t0 = time.monotonic()
+        try:
+            await fleet.start()
+            return {"error": None, "seconds": time.monotonic() - t0}
+        except RuntimeError as e:
+            return {"error": str(e), "seconds": time.monotonic() - t0}
+        finally:
+            await fleet.shutdown()
+
+    res["fleet"] = asyncio.run(fleet_start())
+    res["free_gpus_after_fleet"] = free_gpus()
     return res
 
 
@@ -271,27 +400,30 @@ def pinned():
         cpu = EngineConfig(model="/models/probe", bundle_resources={"engine_node": 0.01})
         cpu_out, cpu_placements, cpu_engines = start_engines(cpu)
         stop(cpu_placements, cpu_engines)
-        # The labelled node's 2 GPUs are taken: a second pinned engine must not go to the head's 8.
+        # The labelled node's 2 GPUs are taken: a second pinned engine must not go to the 8-GPU nodes.
         return {"engines": out, "cpu_engines": cpu_out, "second": expect_unavailable(config, 1.5)}
     finally:
         stop(placements, engines)
 
 
-# One Ray for everything (a Ray start is most of the cost on 2 cores): first a single node with
-# 8 declared GPUs, as ray.init(num_gpus=8, num_cpus=8) would start it; then a second node joins
-# with 2 GPUs and the custom resource "engine_node" that pinned engines ask for.
+# One Ray for everything (a Ray start is most of the cost on 2 cores): two nodes with 8 declared GPUs
+# each, as `ray start --num-gpus 8` would start them on two machines; later a third node joins with
+# 2 GPUs and the custom resource "engine_node" that pinned engines ask for.
 results = {"seconds": {}}
 node_args = dict(include_dashboard=False, temp_dir=os.environ["PROBE_RAY_TMP"], node_ip_address="127.0.0.1",
                  env_vars={k: os.environ[k] for k in RAY_ENV})
 cluster = Cluster()
 try:
     t0 = time.monotonic()
-    cluster.add_node(num_cpus=8, num_gpus=8, **node_args)
+    results["gpu_nodes"] = [cluster.add_node(num_cpus=8, num_gpus=8, **node_args).node_id for _ in range(2)]
     cluster.connect(namespace="placement-probe")
+    cluster.wait_for_nodes()
     results["seconds"]["ray_start"] = round(time.monotonic() - t0, 2)
-    scenario("tp2", tp2)
+    scenario("tp2_fleet", tp2_fleet)
+    scenario("tp4_fleet", tp4_fleet)
+    scenario("two_tp2", two_tp2)
     scenario("tp1", tp1)
-    scenario("tp16", tp16)
+    scenario("does_not_fit", does_not_fit)
     t0 = time.monotonic()
     results["labelled_node"] = cluster.add_node(num_cpus=2, num_gpus=2, resources={"engine_node": 1}, **node_args).node_id
     results["seconds"]["add_node"] = round(time.monotonic() - t0, 2)
@@ -320,7 +452,7 @@ def _start_probe(script: str, directory: Path) -> subprocess.Popen:
     return proc
 
 
-def _probe_result(proc: subprocess.Popen, timeout_s: float = 150.0) -> dict:
+def _probe_result(proc: subprocess.Popen, timeout_s: float = 480.0) -> dict:
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -350,22 +482,60 @@ def _scenario(results: dict, name: str):
     return res
 
 
-def test_tp2_engines_get_disjoint_gpu_pairs_and_their_workers_stay_in_their_group(probe):
-    res = _scenario(probe, "tp2")
-    engines = res["engines"]
-    assert len(engines) == 4
-    used: list[str] = []
-    for e in engines:
-        me, workers = e["engine"], e["workers"]
-        assert me["pg"] == e["own_pg"]  # vLLM finds the group through get_current_placement_group()
-        assert me["gpus"] == []  # the engine actor holds no GPU itself (num_gpus=0)
-        assert len(workers) == 2
-        assert all(len(w["gpus"]) == 1 and w["pg"] == e["own_pg"] and w["node"] == me["node"] for w in workers)
+def _check_engines(probe: dict, engines: list[dict], own_pgs: list[str], tp: int) -> dict[str, int]:
+    """Each engine in its own group, its TP workers' GPUs on the engine's node, no GPU twice in the
+    cluster; returns engines per node."""
+    nodes = set(probe["gpu_nodes"])
+    assert len(set(own_pgs)) == len(own_pgs)  # one placement group per engine
+    used: list[tuple[str, str]] = []
+    per_node: dict[str, int] = {}
+    for e, pg in zip(engines, own_pgs):
+        workers = e["workers"]
+        assert e["pg"] == pg  # vLLM finds the group through get_current_placement_group()
+        assert e["gpus"] == []  # the engine actor holds no GPU itself (num_gpus=0)
+        assert len(workers) == tp
+        assert all(w["pg"] == pg and len(w["gpus"]) == 1 for w in workers)
+        assert {w["node"] for w in workers} == {e["node"]} and e["node"] in nodes  # one node per engine
         assert all(w["cuda_visible_devices"] is None for w in workers)  # NOSET, as vLLM's workers
-        pair = [w["gpus"][0] for w in workers]
-        assert len(set(pair)) == 2, pair
-        used += pair
-    assert sorted(used) == [str(i) for i in range(8)]  # no GPU twice, TP groups disjoint
+        used += [(w["node"], w["gpus"][0]) for w in workers]
+        per_node[e["node"]] = per_node.get(e["node"], 0) + 1
+    assert len(set(used)) == len(used) == len(engines) * tp, used  # no GPU shared between engines
+    return per_node
+
+
+def _check_fleet(probe: dict, name: str, num_engines: int, tp: int, replaced: int) -> dict:
+    res = _scenario(probe, name)
+    assert res["serving"] == list(range(num_engines))
+    per_node = _check_engines(probe, res["engines"], res["own_pgs"], tp)
+    # The engines need more GPUs than one node has: they are on both nodes (how many on each is Ray's
+    # choice; no node holds more than its 8 GPUs allow, checked above as no GPU twice).
+    assert len(per_node) == 2, per_node
+    assert res["free_gpus_running"] == 16 - num_engines * tp
+    # Replacement: the killed engine's workers are gone and their GPUs free again (no hang waiting for
+    # them); the new engine starts in the slot's kept placement group: same node, same GPUs.
+    before, after = res["engines"][replaced], res["replaced"]
+    assert res["replaced_pg"] == res["own_pgs"][replaced] == after["pg"]
+    assert after["node"] == before["node"]
+    assert sorted(w["gpus"][0] for w in after["workers"]) == sorted(w["gpus"][0] for w in before["workers"])
+    assert res["free_gpus_after_replacement"] == res["free_gpus_running"]  # nothing leaked, nothing doubled
+    # Stopped: every group removed, every GPU back.
+    assert res["pg_states_after_stop"] == ["REMOVED"] and res["free_gpus_after_stop"] == 16
+    return res
+
+
+def test_six_tp2_engines_on_two_8_gpu_nodes_one_node_each_no_shared_gpu_replaced_in_their_group(probe):
+    _check_fleet(probe, "tp2_fleet", 6, 2, replaced=1)
+
+
+def test_three_tp4_engines_on_two_8_gpu_nodes_one_node_each_no_shared_gpu_replaced_in_their_group(probe):
+    _check_fleet(probe, "tp4_fleet", 3, 4, replaced=0)
+
+
+def test_engines_that_fit_one_node_are_still_spread_over_the_nodes(probe):
+    """deployments/multi-node-gpu.yaml says Ray spreads the engines' groups over the nodes: two TP-2
+    engines that would both fit one 8-GPU node land on two (Ray 2.60's placement group scheduling)."""
+    nodes = _scenario(probe, "two_tp2")["nodes"]
+    assert len(set(nodes)) == 2 and set(nodes) == set(probe["gpu_nodes"]), nodes
 
 
 def test_tp1_engines_each_see_exactly_their_own_gpu(probe):
@@ -374,22 +544,30 @@ def test_tp1_engines_each_see_exactly_their_own_gpu(probe):
     gpus = []
     for e in engines:
         me = e["engine"]
-        assert me["pg"] == e["own_pg"] and len(me["gpus"]) == 1
+        assert me["pg"] == e["own_pg"] and len(me["gpus"]) == 1 and me["workers"] == []
         assert me["cuda_visible_devices"] == me["gpus"][0]
-        gpus += me["gpus"]
-    assert sorted(gpus) == [str(i) for i in range(8)]
+        gpus.append((me["node"], me["gpus"][0]))
+    assert len(set(gpus)) == 8
 
 
 def test_engine_that_does_not_fit_fails_within_the_timeout_naming_its_bundles(probe):
-    fifth = _scenario(probe, "tp2")["fifth"]
-    assert fifth["error"] and 1.4 <= fifth["seconds"] < 1.5 + 5
-    assert "2 bundles" in fifth["error"] and "STRICT_PACK" in fifth["error"]
-    res = _scenario(probe, "tp16")
-    assert res["error"] and 1.4 <= res["seconds"] < 1.5 + 5, res
-    assert "engine 99" in res["error"] and "16 bundles" in res["error"] and "{'GPU': 1.0" in res["error"]
-    assert "tensor_parallel_size 16" in res["error"]
-    assert res["pg_states"] == ["REMOVED"]  # the pending group is not left behind
-    assert res["free_gpus_after"] == 8
+    res = _scenario(probe, "does_not_fit")
+    full = res["full"]
+    assert full["error"] and 1.4 <= full["seconds"] < 1.5 + 5, full
+    assert "2 bundles" in full["error"] and "STRICT_PACK" in full["error"]
+    tp16 = res["tp16"]
+    assert tp16["error"] and 1.4 <= tp16["seconds"] < 1.5 + 5, tp16
+    assert "engine 99" in tp16["error"] and "16 bundles" in tp16["error"] and "{'GPU': 1.0" in tp16["error"]
+    assert "tensor_parallel_size 16" in tp16["error"]
+    (warning,) = tp16["warnings"]  # logged while it still waited
+    assert "still pending after 0.5s" in warning and "16 bundles" in warning and "tensor_parallel_size 16" in warning
+    assert res["pg_states"] == ["REMOVED"]  # no pending group is left behind
+    assert res["free_gpus_after"] == 16
+    # The fleet's start ends with that error (fleet.start_timeout_s), it does not wait forever.
+    fleet = res["fleet"]
+    assert fleet["error"] and fleet["seconds"] < 2.0 + 30, fleet
+    assert "no engine could be started" in fleet["error"] and "16 bundles" in fleet["error"], fleet
+    assert res["free_gpus_after_fleet"] == 16
 
 
 def test_bundle_resources_pin_the_engine_group_to_the_labelled_node(probe):
@@ -397,8 +575,8 @@ def test_bundle_resources_pin_the_engine_group_to_the_labelled_node(probe):
     node = probe["labelled_node"]
     (engine,) = res["engines"]
     assert engine["engine"]["node"] == node
-    assert [w["node"] for w in engine["workers"]] == [node, node]
-    assert sorted(w["gpus"][0] for w in engine["workers"]) == ["0", "1"]
+    assert [w["node"] for w in engine["engine"]["workers"]] == [node, node]
+    assert sorted(w["gpus"][0] for w in engine["engine"]["workers"]) == ["0", "1"]
     (cpu_engine,) = res["cpu_engines"]
     assert cpu_engine["engine"]["node"] == node and cpu_engine["engine"]["pg"] == cpu_engine["own_pg"]
     assert res["second"]["error"] and "engine_node" in res["second"]["error"], res["second"]
@@ -407,4 +585,8 @@ def test_bundle_resources_pin_the_engine_group_to_the_labelled_node(probe):
 def test_probe_timings_are_reported(probe):
     """Not a check of speed: the timings land in the test log (-rA / -s) for the record."""
     print("placement probe seconds:", probe["seconds"])
-    assert set(probe["seconds"]) >= {"ray_start", "tp2", "tp1", "tp16", "add_node", "pinned"}
+    print("two TP-2 engines on nodes:", probe["two_tp2"]["nodes"], "of", probe["gpu_nodes"])
+    for name in ("tp2_fleet", "tp4_fleet"):
+        print(name, "engines per node:", [e["node"][:8] for e in probe[name]["engines"]],
+              "replacement seconds:", probe[name].get("replace_s"))
+    assert set(probe["seconds"]) >= {"ray_start", "tp2_fleet", "tp4_fleet", "tp1", "does_not_fit", "add_node", "pinned"}

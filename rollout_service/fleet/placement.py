@@ -45,10 +45,15 @@ large enough).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_service.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+PENDING_WARNING_S = 60.0  # a group still pending this long is logged (with what it needs) while it waits on
 
 
 class PlacementUnavailable(RuntimeError):
@@ -111,7 +116,10 @@ def reserve_engine_placement(
     ``name`` names the group (``ray list placement-groups``); ``lifetime="detached"`` must match a
     detached engine actor, otherwise the group, and the actor in it, die with the caller. Raises
     :class:`PlacementUnavailable` (naming the bundles, the strategy and the cluster's resources)
-    when the cluster cannot fit the group in time; the pending group is removed then.
+    when the cluster cannot fit the group in time; the pending group is removed then. A group still
+    pending after :data:`PENDING_WARNING_S` is logged with the same diagnosis while the wait goes on
+    (GPU nodes may still be joining; a group no node can ever hold waits the whole ``timeout_s``,
+    the fleet's ``start_timeout_s``, and the log says why long before).
     """
     bundles = engine_bundles(config)
     if not bundles:
@@ -129,7 +137,17 @@ def reserve_engine_placement(
     if lifetime:
         kwargs["lifetime"] = lifetime
     pg = placement_group(bundles, **kwargs)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    ready_ref = pg.ready()
+    first_wait = min(timeout_s, PENDING_WARNING_S)
+    ready, _ = ray.wait([ready_ref], timeout=first_wait)
+    if not ready and timeout_s > first_wait:
+        logger.warning(
+            "engine %d: placement group of %d bundles %s (strategy %s) still pending after %gs, waiting up to "
+            "%gs more; free in the cluster: %s; nodes: %s. %s", index, len(bundles), _bundles_text(bundles),
+            config.placement_strategy, first_wait, timeout_s - first_wait, _resources(ray.available_resources()),
+            _nodes(ray), _hint(config),
+        )
+        ready, _ = ray.wait([ready_ref], timeout=timeout_s - first_wait)
     if not ready:
         try:
             remove_placement_group(pg)
