@@ -72,6 +72,37 @@ async def test_a_full_redis_refuses_the_turn_with_store_full_and_keeps_every_his
     await store.close()
 
 
+async def test_the_data_plane_answers_507_store_full_when_redis_refuses_the_turn(tiny_redis):
+    """TurnRunner's append step (the one write of a turn) on a full Redis: ServiceError 507
+    ``store_full`` (docs/errors.md), nothing of the turn stored; the step itself, with a stand-in for
+    the rest of the runner it does not use."""
+    from types import SimpleNamespace
+
+    from rollout_service.protocol.openai import ServiceError
+    from rollout_service.serve.turns import TurnRunner
+
+    store = RedisRolloutStore.from_url(tiny_redis, ttl_seconds=1000)
+    deltas, _ = synthetic_rollout(random.Random(1), [2])
+    await store.append_turn("kept", deltas[0], expected_turn=0)
+    before = await store.load("kept")
+    rng, turn, length = random.Random(2), 0, 0
+    with pytest.raises(StoreFull):
+        for _ in range(200):
+            delta = _big_turn(rng, turn + 1, length)
+            await store.append_turn("filler", delta, expected_turn=turn)
+            turn, length = turn + 1, length + len(delta.token_ids)
+
+    runner = SimpleNamespace(store=store)
+    runner._store_op = TurnRunner._store_op.__get__(runner)
+    with pytest.raises(ServiceError) as answered:
+        await TurnRunner._append(runner, "kept", deltas[1], 1)
+    err = answered.value
+    assert (err.status, err.type, err.code) == (507, "server_error", "store_full")
+    assert "store is full" in err.message and "not stored" in err.message
+    assert await store.load("kept") == before
+    await store.close()
+
+
 def _agent_turn(rng: random.Random, turn: int, segment_len: int, text_bytes_per_token: float, sizes=None):
     """An agent turn: a long first prompt (system, tools, task), then tool results and answers; the
     messages carry the text of their tokens (about 4 bytes a token of English)."""
