@@ -758,7 +758,7 @@ def redeploy_instrumented(svc, hook_dir: Path) -> None:
     dep = build_app(cfg)._bound_deployment
     opts = dict(dep.ray_actor_options or {})
     env = {k: os.environ[k] for k in RAY_ENV if k in os.environ}
-    for k in ("RAY_SERVE_THROUGHPUT_OPTIMIZED",):
+    for k in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"):
         if k in os.environ:
             env[k] = os.environ[k]
     env.update({"PYTHONPATH": os.pathsep.join([str(SCRIPTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -1106,6 +1106,9 @@ def main() -> int:
     for k in order:
         if k not in KIND_LABEL:
             raise SystemExit(f"unknown server {k!r} (vllm, service, service-tp, service-ha)")
+    if args.pairing == "session" and "service-ha" in order and len([k for k in order if k.startswith("service")]) > 1:
+        raise SystemExit("session pairing runs service-ha between the other modes, which Serve cannot do in one "
+                         "process (it reads RAY_SERVE_ENABLE_HA_PROXY at import): use level pairing")
 
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.tiny_model import ensure_tiny_model
@@ -1155,7 +1158,10 @@ def main() -> int:
 
     if args.pairing == "level":
         sessions = []  # the loop below is the session pairing
-        for i, kind in enumerate(k for k in order if k != "vllm"):
+        # Serve reads RAY_SERVE_ENABLE_HA_PROXY once per process, at import: after an HAProxy session
+        # this driver would still check the app against HAProxy's rules. HAProxy runs last.
+        kinds = sorted((k for k in order if k != "vllm"), key=lambda k: k == "service-ha")
+        for i, kind in enumerate(kinds):
             wait_for_memory(9.0)
             server = VLLMServer(cfg.engine, model, workdir / f"vllm-server-{kind}.log", omp_threads=args.vllm_omp_threads)
             extra["vllm_cmd"] = server.cmd

@@ -180,8 +180,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--user-message", default="Next.", help="the user message after every answer (sets the growth per turn)")
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--kind", default="service", choices=["service", "service-tp"],
-                    help="service: Serve's default proxy; service-tp: RAY_SERVE_THROUGHPUT_OPTIMIZED=1")
+    ap.add_argument("--kind", default="service", choices=["service", "service-tp", "service-ha"],
+                    help="service: Serve's default proxy; service-tp: RAY_SERVE_THROUGHPUT_OPTIMIZED=1; "
+                         "service-ha: HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1, up's default)")
     ap.add_argument("--vllm-omp-threads", type=int, default=1)
     ap.add_argument("--phases", action="store_true", help="then one instrumented rollout (replica step times per window)")
     ap.add_argument("--engine-probe", type=int, default=20,
