@@ -44,6 +44,16 @@ class LocalService:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> "LocalService":
+        import ray
+
+        from rollout_service.runtime import apply_proxy_env, proxy_mode
+
+        # Before ray.serve is imported: Serve reads the HAProxy switch once per process, at import.
+        if self.proxy is not None:
+            if not ray.is_initialized():
+                apply_proxy_env(self.proxy)
+            elif proxy_mode() != self.proxy:
+                self.log(f"[up] Ray is already running: its HTTP ingress stays as it was started, not {self.proxy}")
         from ray import serve
 
         from rollout_service.fleet.fleet import get_or_create_fleet
@@ -60,15 +70,6 @@ class LocalService:
             self.log(f"[up] embedded redis-server at {self.config.store.redis_url} (pid {self.redis.pid})")
         model = self.config.engine.resolved_model()
         self.log(f"[up] model: {model}")
-        import ray
-
-        from rollout_service.runtime import apply_proxy_env, proxy_mode
-
-        if self.proxy is not None:
-            if not ray.is_initialized():
-                apply_proxy_env(self.proxy)
-            elif proxy_mode() != self.proxy:
-                self.log(f"[up] Ray is already running: its HTTP ingress stays as it was started, not {self.proxy}")
         start_local_ray(metrics_port=self.metrics_port)
         self.log(f"[up] HTTP ingress: {_INGRESS[proxy_mode()]}")
         self.log(f"[up] Ray started ({time.perf_counter() - t0:.1f}s); loading {self.config.engine.num_engines} engine(s)...")
