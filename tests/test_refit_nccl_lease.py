@@ -13,6 +13,9 @@ timeout from the controller's config, vLLM's ``NCCLTrainerWeightTransferEngine``
 A trainer that dies in the middle of a round leaves no engine paused: the round runs under a lease
 the trainer renews with every call; when it runs out, every engine reloads its last committed
 weights and resumes, the lock and the fleet's refit bracket are released.
+
+Each round is recorded once on the metrics endpoint, as a refit over the other transports is: its
+outcome, phases, stall and bytes; a start refused while a round runs counts as rejected.
 """
 
 from __future__ import annotations
@@ -43,15 +46,23 @@ class NcclStandInController(RefitController):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fan_outs: list[tuple[str, list, list[bool]]] = []
+        self.refuse: str | None = None
 
     async def _nccl_fan_out(self, engines, method: str, kwargs=None) -> None:
         per_engine = kwargs if isinstance(kwargs, list) else [kwargs] * len(engines)
         paused = [await e.is_paused.remote() for e in engines]
         self.fan_outs.append((method, per_engine, paused))
+        if method == self.refuse:
+            self.refuse = None
+            raise RuntimeError(f"{method} refused by the worker (stand-in)")
         await asyncio.gather(*[e.collective_rpc.remote("rs_weights_checksum") for e in engines])
 
     def recorded_fan_outs(self) -> list[tuple[str, list, list[bool]]]:
         return self.fan_outs
+
+    def refuse_next(self, method: str) -> None:
+        """The next fan-out of ``method`` fails on the workers, as vLLM's worker refusing it would."""
+        self.refuse = method
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +196,112 @@ def test_trainer_client_takes_bucket_size_and_timeout_from_the_service_unless_gi
     assert info["backend"] == "gloo" and info["worker_ranks"] == [1]
     ray.get(controller.close_weight_sync.remote(), timeout=60)
     explicit.close()
+
+
+def test_nccl_update_size_is_what_the_tensors_hold_for_every_dtype():
+    import torch
+
+    from rollout_service.refit.controller import nccl_update_size
+
+    tensors = {str(d): torch.zeros((3, 5), dtype=d) for d in (
+        torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32,
+        torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+    info = {"names": list(tensors), "dtype_names": [str(t.dtype).split(".")[-1] for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()]}
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert nccl_update_size(info) == nccl_update_size([info, info]) == (len(tensors), size)
+
+
+def test_every_nccl_round_is_recorded_once_with_its_outcome_phases_and_bytes(rig, tiny_model_dir):
+    """On the real metrics endpoint: a round that commits (ok: pause, transfer = vLLM's receive
+    with its layer-by-layer load, load = vLLM's finish of that reload, resume = label + resume;
+    the bytes update_info announces), a start refused while it runs (rejected), and a start whose
+    start_weight_update the worker refuses after the pause (failed at transfer: pause, transfer,
+    resume). The counters move by exactly that, and the histograms' buckets by the rounds' reports."""
+    from safetensors.torch import load_file
+    from test_metrics import EXPORT_INTERVAL_S, _scrape, _settled, _value
+
+    from rollout_service.metrics import EXPORT_PREFIX, NAME_PREFIX
+    from rollout_service.refit.types import RefitInProgress
+    from rollout_service.runtime import metrics_url
+
+    controller, fleet = rig
+    url = metrics_url()
+    assert url is not None
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    update_info = {"names": list(weights), "dtype_names": [str(t.dtype).split(".")[-1] for t in weights.values()],
+                   "shapes": [list(t.shape) for t in weights.values()]}
+    size = sum(t.numel() * t.element_size() for t in weights.values())
+    ray.get(controller.nccl_init_weight_transfer_engine.remote(_worker_init_info(world_size=2)), timeout=60)
+    stats_before = ray.get(controller.stats.remote())
+    before = _settled(url)
+
+    ray.get(controller.nccl_start_weight_update.remote(), timeout=60)
+    with pytest.raises(RefitInProgress):
+        ray.get(controller.nccl_start_weight_update.remote(), timeout=60)
+    ray.get(controller.nccl_update_weights.remote(update_info), timeout=60)
+    ray.get(controller.nccl_finish_weight_update.remote("metrics-ok"), timeout=60)
+    ok = ray.get(controller.stats.remote())["last_refit"]
+    ray.get(controller.refuse_next.remote("start_weight_update"))
+    with pytest.raises(RuntimeError, match="start_weight_update refused"):
+        ray.get(controller.nccl_start_weight_update.remote(), timeout=60)
+    stats = ray.get(controller.stats.remote())
+    failed = stats["last_refit"]
+
+    assert ok["ok"] and ok["transport"] == "nccl" and ok["version"] == "metrics-ok" and ok["failed_step"] is None
+    assert ok["previous_version"] == stats_before["weight_version"]
+    assert (ok["bytes"], ok["num_tensors"]) == (size, len(weights))
+    assert all(ok[f"{p}_s"] > 0 for p in ("pause", "transfer", "load", "resume"))
+    assert ok["total_s"] >= ok["pause_s"] + ok["transfer_s"] + ok["load_s"] + ok["resume_s"]
+    assert not failed["ok"] and failed["failed_step"] == "transfer" and "refused" in failed["error"]
+    assert failed["version"] is None and failed["bytes"] == 0 and failed["load_s"] == 0 and not failed["rolled_back"]
+    assert stats["weight_version"] == "metrics-ok" and not stats["refitting"]
+    assert stats["num_refits"] == stats_before["num_refits"] + 1
+    assert stats["num_failed_refits"] == stats_before["num_failed_refits"] + 1
+    engine = ray.get(controller.get_engines.remote())[0]
+    assert not ray.get(engine.is_paused.remote()) and not ray.get(fleet.stats.remote())["refitting"]
+
+    counted = {
+        ("refits_total", (("outcome", "ok"),)): 1,
+        ("refits_total", (("outcome", "rejected"),)): 1,
+        ("refits_total", (("outcome", "failed"),)): 1,
+        ("refit_phase_seconds_count", (("phase", "pause"),)): 2,
+        ("refit_phase_seconds_count", (("phase", "transfer"),)): 2,
+        ("refit_phase_seconds_count", (("phase", "load"),)): 1,  # the failed start never got there
+        ("refit_phase_seconds_count", (("phase", "resume"),)): 2,
+        ("refit_stall_seconds_count", ()): 2,
+        ("refit_bytes_total", ()): size,
+    }
+    expected = {(EXPORT_PREFIX + NAME_PREFIX + n, ls): v for (n, ls), v in counted.items()}
+
+    def moved(samples, name, **labels):
+        return _value(samples, name, **labels) - _value(before, name, **labels)
+
+    deadline = time.monotonic() + 9 * EXPORT_INTERVAL_S
+    while True:
+        after = _scrape(url)
+        got = {(n, ls): moved(after, n, **dict(ls)) for n, ls in expected}
+        over = {k: v for k, v in got.items() if v > expected[k]}
+        assert over == {}, f"counted more than happened: {over} (expected {expected})"
+        if got == expected:
+            break
+        assert time.monotonic() < deadline, {k: (v, expected[k]) for k, v in got.items() if v != expected[k]}
+        time.sleep(1)
+    # Ray exports a histogram's sum from its buckets (not exact): the buckets are where each round's
+    # own durations fall, per phase and for the stall.
+    rounds = {p: [ok[f"{p}_s"]] + ([failed[f"{p}_s"]] if p != "load" else []) for p in ("pause", "transfer", "load", "resume")}
+    rounds["stall"] = [ok["total_s"], failed["total_s"]]
+    for phase, values in rounds.items():
+        name, labels = ("refit_stall_seconds", {}) if phase == "stall" else ("refit_phase_seconds", {"phase": phase})
+        buckets = _buckets(after, name, labels), _buckets(before, name, labels)
+        got = {le: n - buckets[1].get(le, 0) for le, n in buckets[0].items()}
+        assert got and got == {le: sum(v <= le for v in values) for le in got}, (phase, values, got)
+
+
+def _buckets(samples, name: str, labels: dict) -> dict[float, float]:
+    """A histogram's cumulative bucket counts by upper bound, summed over processes."""
+    out: dict[float, float] = {}
+    for n, ls, v in samples:
+        if n == f"ray_rollout_service_{name}_bucket" and all(ls.get(k) == w for k, w in labels.items()):
+            out[float(ls["le"])] = out.get(float(ls["le"]), 0) + v
+    return out
