@@ -393,6 +393,32 @@ def does_not_fit():
     return res
 
 
+def abandoned():
+    """An engine start cancelled while its group waits for GPUs (fleet stop, config restart): the
+    reservation thread goes on, and the group it gets once GPUs free up must be removed, not kept."""
+    from rollout_service.fleet.fleet import _reserve
+
+    out, placements, engines = start_engines(gpu_config(4, 4))  # every GPU held
+
+    async def run():
+        task = asyncio.ensure_future(_reserve(gpu_config(1, 2), 7, 60.0))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        stop(placements, engines)  # the GPUs free up: the abandoned group is placed, then removed
+        deadline = time.monotonic() + 30
+        while True:
+            states = sorted({v["state"] for v in ray.util.placement_group_table().values()})
+            if (states == ["REMOVED"] and free_gpus() == 16) or time.monotonic() > deadline:
+                return {"pg_states": states, "free_gpus": free_gpus(), "cancelled": task.cancelled()}
+            await asyncio.sleep(0.2)
+
+    return asyncio.run(run())
+
+
 def pinned():
     config = gpu_config(1, 2, bundle_resources={"engine_node": 0.01})
     out, placements, engines = start_engines(config)
@@ -424,6 +450,7 @@ try:
     scenario("two_tp2", two_tp2)
     scenario("tp1", tp1)
     scenario("does_not_fit", does_not_fit)
+    scenario("abandoned", abandoned)
     t0 = time.monotonic()
     results["labelled_node"] = cluster.add_node(num_cpus=2, num_gpus=2, resources={"engine_node": 1}, **node_args).node_id
     results["seconds"]["add_node"] = round(time.monotonic() - t0, 2)
@@ -568,6 +595,11 @@ def test_engine_that_does_not_fit_fails_within_the_timeout_naming_its_bundles(pr
     assert fleet["error"] and fleet["seconds"] < 2.0 + 30, fleet
     assert "no engine could be started" in fleet["error"] and "16 bundles" in fleet["error"], fleet
     assert res["free_gpus_after_fleet"] == 16
+
+
+def test_a_group_reserved_for_a_cancelled_engine_start_is_removed_once_placed(probe):
+    res = _scenario(probe, "abandoned")
+    assert res["cancelled"] and res["pg_states"] == ["REMOVED"] and res["free_gpus"] == 16, res
 
 
 def test_bundle_resources_pin_the_engine_group_to_the_labelled_node(probe):

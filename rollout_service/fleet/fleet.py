@@ -467,14 +467,13 @@ class EngineFleet:
     async def _bring_up(self, slot: int, generation: int) -> None:
         """Start an engine in ``slot`` and bring it to the current weights; failures go to the state machine."""
         from rollout_service.engine.replica import create_engine_actor
-        from rollout_service.fleet.placement import reserve_engine_placement
 
         s = self.slots[slot]
         ec = self.config.engine
         timeout = self.health.policy.start_timeout_s
         try:
             if s.placement is None:  # kept across replacements: a replacement gets the same GPUs / node
-                s.placement = await asyncio.to_thread(reserve_engine_placement, ec, slot, timeout_s=timeout)
+                s.placement = await _reserve(ec, slot, timeout)
             actor = create_engine_actor(ec, slot, placement=s.placement, initial_weight_version=BASE_VERSION)
             s.generation, s.actor = generation, actor
             await asyncio.wait_for(actor.start.remote(), timeout)
@@ -660,3 +659,21 @@ def get_fleet(name: str = FLEET_NAME):
     import ray
 
     return ray.get_actor(name, namespace=FLEET_NAMESPACE)
+
+
+async def _reserve(config, slot: int, timeout: float):
+    """Reserve an engine's placement group in a thread. If the bring-up is cancelled while the
+    thread waits (fleet stop, a config restart), the thread still finishes: the group it then
+    holds is removed instead of keeping its GPUs until the fleet actor dies."""
+    from rollout_service.fleet.placement import release_engine_placement, reserve_engine_placement
+
+    reservation = asyncio.ensure_future(asyncio.to_thread(reserve_engine_placement, config, slot, timeout_s=timeout))
+    try:
+        return await asyncio.shield(reservation)
+    except asyncio.CancelledError:
+        def release_abandoned(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                release_engine_placement(done.result())
+
+        reservation.add_done_callback(release_abandoned)
+        raise
