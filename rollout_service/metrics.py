@@ -39,6 +39,7 @@ NAME_PREFIX = "rollout_service_"
 EXPORT_PREFIX = "ray_"  # Ray's Prometheus exporter prefixes every application metric with its namespace
 DEFAULT_METRICS_PORT = 9464  # `up` default: not Serve's 8000, Redis' 6379, Ray's 6379/8265/10001, KubeRay's 8080
 GAUGE_REFRESH_S = 5.0  # < Ray's 10 s reporting interval: a live gauge never misses one
+ACTIVE_WINDOW_S = 300.0  # a rollout is active while its last call began less than this long ago
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -104,8 +105,11 @@ METRICS: tuple[MetricDef, ...] = (
        "(HistoryConflict.field: role, content, tool_calls, missing, tools, echo, ...).", ("reason",)),
     _m("calls_total", "counter", "Calls taken by the turn runner: stateful (X-Rollout-Id), stateless (echo "
        "protocol), completion (raw /v1/completions).", ("mode",)),
-    _m("calls_in_flight", "gauge", "Calls running now, per replica process; stateful calls in flight = active "
-       "rollouts (a rollout runs one call at a time).", ("mode",)),
+    _m("calls_in_flight", "gauge", "Calls running now, per replica process; stateful calls in flight = rollouts "
+       "generating now (a rollout runs one call at a time).", ("mode",)),
+    _m("active_rollouts", "gauge", "Rollouts with a call in the last 300 s (ACTIVE_WINDOW_S), per replica process: "
+       "live rollouts, also those between calls (waiting on a tool or an environment step). Sum over replicas "
+       "(a rollout is routed to one; after a replica change it may count on two for one window).", ()),
     _m("store_latency_seconds", "histogram", "Rollout store operations as the data plane sees them (the replica's "
        "state cache included): load, append, read (GET rollout), delete.", ("op",), STORE_BUCKETS),
     _m("store_errors_total", "counter", "Failed rollout store operations by op and error type (StoreUnavailable, "
@@ -172,6 +176,7 @@ class ServiceMetrics:
         # (name, labels) -> (series, value or a callable giving it), re-set every GAUGE_REFRESH_S
         self._gauges: dict[tuple, tuple[Any, Any]] = {}
         self._in_flight = dict.fromkeys(CALL_MODES, 0)
+        self._seen: dict[str, float] = {}  # rollout id -> monotonic time of its last call (active_rollouts)
         self._version: dict[str, str] = {}  # fleet -> the version it reports
         self._refresher: threading.Thread | None = None
         if enabled:
@@ -252,6 +257,21 @@ class ServiceMetrics:
             self._in_flight[mode] += 1
             if ("rollout_service_calls_in_flight", mode) not in self._gauges:
                 self._gauge("rollout_service_calls_in_flight", lambda: self._in_flight[mode], mode)
+
+    def rollout_seen(self, rollout_id: str) -> None:
+        """A call of a stateful rollout began: it counts as active for ACTIVE_WINDOW_S. One dict write per
+        call; the refresher thread counts and forgets the expired ones."""
+        if self.enabled:
+            self._seen[rollout_id] = time.monotonic()
+            if ("rollout_service_active_rollouts",) not in self._gauges:
+                self._gauge("rollout_service_active_rollouts", self._active_rollouts)
+
+    def _active_rollouts(self) -> int:
+        horizon = time.monotonic() - ACTIVE_WINDOW_S
+        for rid, seen in list(self._seen.items()):
+            if seen < horizon:
+                self._seen.pop(rid, None)
+        return len(self._seen)
 
     def call_ended(self, mode: str) -> None:
         if self.enabled:

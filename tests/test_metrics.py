@@ -86,6 +86,23 @@ def _vllm_metric_names() -> set[str]:
     return {"ray_vllm_" + n for n in re.findall(r'name="vllm:([a-z_]+)"', Path(loggers.__file__).read_text())}
 
 
+def test_active_rollouts_counts_each_rollout_once_until_its_window_passes(monkeypatch):
+    import rollout_service.metrics as m
+
+    metrics = m.ServiceMetrics(enabled=False)  # the window bookkeeping alone (no Ray needed)
+    now = [1000.0]
+    monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
+    for rid in ("a", "b", "a"):
+        metrics._seen[rid] = m.time.monotonic()
+    assert metrics._active_rollouts() == 2
+    now[0] += m.ACTIVE_WINDOW_S - 1
+    metrics._seen["b"] = now[0]  # b called again: its window restarts
+    now[0] += 2
+    assert metrics._active_rollouts() == 1 and set(metrics._seen) == {"b"}  # a expired and forgotten
+    now[0] += m.ACTIVE_WINDOW_S
+    assert metrics._active_rollouts() == 0 and metrics._seen == {}
+
+
 def test_grafana_dashboard_imports_and_queries_only_metrics_that_exist():
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36
@@ -247,7 +264,8 @@ def test_the_endpoint_counts_exactly_a_short_run(service, http, metrics_url, tra
         over = {k: v for k, v in got.items() if v > expected[k]}
         assert over == {}, f"counted more than happened: {over} (expected {expected})"
         if got == expected and _value(after, "ray_rollout_service_weight_version", version=version,
-                                                  fleet=f"{service.config.service.instance_name}-fleet") == 1:
+                                                  fleet=f"{service.config.service.instance_name}-fleet") == 1 \
+                and _value(after, "ray_rollout_service_active_rollouts") >= 1:  # this rollout, at least
             break
         assert time.monotonic() < deadline, {k: (v, expected[k]) for k, v in got.items() if v != expected[k]}
         time.sleep(1)

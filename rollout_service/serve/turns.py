@@ -258,6 +258,8 @@ class TurnRunner:
     # ------------------------------------------------------------------ a call
     def run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
         """Run one model call: ``TokenDelta`` events (streaming only), then one ``TurnResult``."""
+        if req.rollout_id is not None:
+            get_metrics().rollout_seen(req.rollout_id)
         return _counted("stateful" if req.rollout_id is not None else "stateless", self._run_turn(req))
 
     async def _run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
