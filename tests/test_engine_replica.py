@@ -32,6 +32,20 @@ async def test_generation_returns_ids_logprobs_finish_reason_and_version(engine_
     assert last.weight_versions == [("0", 0, 24)]
 
 
+async def test_a_stop_string_still_stops_the_generation(engine_actor, tiny_tokenizer):
+    """The engine detokenizes only for stop strings (nothing else reads its text): they still match.
+    The stop string is text the same seeded generation produces without it."""
+    prompt = _ids(chat_prompt(tiny_tokenizer, "Say something"))
+    full, _, _ = await stream_generation(engine_actor, prompt, seed=11, max_tokens=40, ignore_eos=True)
+    start = next(i for i in range(8, 30) if (t := tiny_tokenizer.decode(full[i:i + 3])).strip() and "\ufffd" not in t
+                 and "\ufffd" not in tiny_tokenizer.decode(full[:i + 3]))
+    stop = tiny_tokenizer.decode(full[start:start + 3])
+    ids, lps, last = await stream_generation(engine_actor, prompt, seed=11, max_tokens=40, ignore_eos=True, stop=[stop])
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    assert ids == full[:len(ids)] and len(ids) <= start + 3 and len(lps) == len(ids)
+    assert stop in tiny_tokenizer.decode(ids)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_processed_logprobs_match_transformers_float32(engine_actor, tiny_tokenizer, tiny_model_dir, temperature):
     """>= 1,000 sampled tokens; the engine's processed logprob == log_softmax(logits / T), |Δ| <= 1e-4."""

@@ -210,3 +210,10 @@ def test_valid_parameters_convert_to_vllm():
     sp = opts.to_vllm(max_tokens=5)
     assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.seed, sp.logprobs) == (0.7, 0.9, 20, 5, 3, 2)
     assert sp.stop == ["END"]
+
+
+def test_engine_detokenizes_only_for_stop_strings():
+    """Nothing reads the engine's text (the data plane parses ids): vLLM skips its detokenizer and the
+    logprob token strings, except when stop strings need text to match on."""
+    assert SamplingOptions.validated(temperature=1.0).to_vllm(max_tokens=5).detokenize is False
+    assert SamplingOptions.validated(stop=["END"]).to_vllm(max_tokens=5).detokenize is True

@@ -144,7 +144,11 @@ class SamplingOptions(BaseModel):
             _check_structured_outputs(self.structured_outputs)
 
     def to_vllm(self, *, max_tokens: int, cache_salt: str | None = None):
-        """vLLM ``SamplingParams``. ``logprobs`` is at least 0 so the sampled token's logprob comes back."""
+        """vLLM ``SamplingParams``. ``logprobs`` is at least 0 so the sampled token's logprob comes back.
+
+        ``detokenize`` only when there are stop strings (vLLM matches them on text): nothing reads
+        the engine's text — the data plane parses the ids itself — so the engine's front-end skips
+        its incremental detokenizer and the decoding of every logprob's token string."""
         from vllm import SamplingParams
 
         extra: dict[str, Any] = {}
@@ -169,6 +173,7 @@ class SamplingOptions(BaseModel):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            detokenize=bool(self.stop),
             **extra,
         )
 
