@@ -66,7 +66,21 @@ async def main(args) -> None:
 
     sampling.SamplingOptions.to_vllm = patched
     replica = EngineReplica(EngineConfig(model=str(ensure_tiny_model()), cpu_kvcache_space_gib=args.kv_gib))
-    print(f"engine started in {await replica.start():.1f}s")
+    try:
+        print(f"engine started in {await replica.start():.1f}s")
+        rows = await measure(replica, args)
+    finally:
+        replica.shutdown()  # vLLM's engine-core child process goes with it
+    print(f"\nmachine: {os.cpu_count()} cpus, Python {platform.python_version()}; {args.calls} calls x "
+          f"{args.tokens} tokens per block, {args.rounds} rounds, alternating; medians")
+    print("\n| C | front-end CPU ms/call, text on | text off | saved | wall ms/call, on | off |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for c, on_cpu, off_cpu, on_wall, off_wall in rows:
+        print(f"| {c} | {on_cpu:.2f} | {off_cpu:.2f} | {on_cpu - off_cpu:+.2f} ({(on_cpu - off_cpu) / on_cpu:.0%}) | "
+              f"{on_wall:.1f} | {off_wall:.1f} |")
+
+
+async def measure(replica, args) -> list[tuple]:
     levels = [int(c) for c in args.concurrency.split(",") if c]
     rows = []
     for c in levels:
@@ -83,13 +97,7 @@ async def main(args) -> None:
         off_cpu = statistics.median(x[0] for x in per[False])
         rows.append((c, on_cpu, off_cpu, statistics.median(x[1] for x in per[True]),
                      statistics.median(x[1] for x in per[False])))
-    print(f"\nmachine: {os.cpu_count()} cpus, Python {platform.python_version()}; {args.calls} calls x "
-          f"{args.tokens} tokens per block, {args.rounds} rounds, alternating; medians")
-    print("\n| C | front-end CPU ms/call, text on | text off | saved | wall ms/call, on | off |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for c, on_cpu, off_cpu, on_wall, off_wall in rows:
-        print(f"| {c} | {on_cpu:.2f} | {off_cpu:.2f} | {on_cpu - off_cpu:+.2f} ({(on_cpu - off_cpu) / on_cpu:.0%}) | "
-              f"{on_wall:.1f} | {off_wall:.1f} |")
+    return rows
 
 
 if __name__ == "__main__":
@@ -101,4 +109,3 @@ if __name__ == "__main__":
     p.add_argument("--kv-gib", type=float, default=0.25)
     args = p.parse_args()
     asyncio.run(main(args))
-    os._exit(0)  # vLLM's engine-core child and threads: do not wait for their teardown
