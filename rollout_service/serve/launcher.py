@@ -68,6 +68,7 @@ class LocalService:
             self.redis = EmbeddedRedis(Path(self.data_dir) / "redis")
             self.config.store.redis_url = self.redis.start()
             self.log(f"[up] embedded redis-server at {self.config.store.redis_url} (pid {self.redis.pid})")
+            self.redis.supervise(log=self.log)  # restarted on the same port and AOF if it dies
         model = self.config.engine.resolved_model()
         self.log(f"[up] model: {model}")
         start_local_ray(metrics_port=self.metrics_port)

@@ -5,7 +5,11 @@ rollout state, which no in-process fake can do. This starts the apt-installed ``
 127.0.0.1 with an append-only file (so a restart keeps every rollout) and no RDB snapshots (which
 would fork a 2-core box for nothing), and stops exactly the process it started. The server also
 gets SIGTERM from the kernel when the process that started it dies, even by SIGKILL, so it cannot
-outlive its owner.
+outlive its owner. ``supervise()`` (what ``up`` uses) restarts a server that died without being
+stopped — killed, OOM-killed, crashed — on the same port and data directory: the AOF is replayed,
+so every acknowledged turn is back (Redis writes the AOF before it answers; ``appendfsync
+everysec`` only risks the last second on a machine crash, not on a process death), and the
+service's clients reconnect on their next call.
 
 Memory is capped (``maxmemory``, policy ``noeviction``): a full server refuses writes — the service
 answers 507 and no stored history changes — instead of growing until the machine swaps or the OOM
@@ -141,7 +145,7 @@ class EmbeddedRedis:
     or CLI does not leave an orphan server behind, and the kernel sends the server SIGTERM (its
     clean shutdown) when this process dies without running atexit (SIGKILL, abort). The server
     runs in its own session, so a Ctrl-C to the terminal's process group does not reach it before
-    the orderly stop has flushed the AOF.
+    the orderly stop has flushed the AOF. ``supervise()`` restarts it whenever it dies unasked.
     """
 
     def __init__(
@@ -166,6 +170,10 @@ class EmbeddedRedis:
         self.ready_timeout = ready_timeout
         self.process: subprocess.Popen | None = None
         self._atexit_registered = False
+        self._lock = threading.Lock()  # start / stop / a supervised restart, one at a time
+        self._stop_requested = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self.restarts = 0
 
     @property
     def url(self) -> str:
@@ -236,7 +244,42 @@ class EmbeddedRedis:
             return "(no log)"
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._terminate(timeout)
+        self._stop_requested.set()  # ends supervision: this exit is asked for
+        with self._lock:
+            self._terminate(timeout)
+
+    def supervise(self, log=print, interval_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+        """Watch the server from a daemon thread until ``stop()``: when it has exited without being
+        stopped, start it again on the same port and directory (its AOF replayed), retrying with
+        backoff while that fails (the port taken meanwhile, the disk full), each attempt logged."""
+        if self._supervisor is not None and self._supervisor.is_alive():
+            return
+        self._stop_requested.clear()
+
+        def watch() -> None:
+            wait = interval_s
+            while not self._stop_requested.wait(wait):
+                with self._lock:
+                    proc = self.process
+                    if self._stop_requested.is_set() or (proc is not None and proc.poll() is None):
+                        wait = interval_s
+                        continue
+                    code = proc.returncode if proc is not None else "a failed restart"
+                    log(f"[redis] redis-server on {self.host}:{self.port} exited ({code}) without being "
+                        f"stopped: restarting it on the same port and data (AOF)")
+                    self.process = None
+                    try:
+                        self.start()
+                    except Exception as exc:  # retried: the service answers 503 (rollout store unavailable) meanwhile
+                        wait = min(max(wait, interval_s) * 2, max_backoff_s)
+                        log(f"[redis] restart failed ({exc}); next attempt in {wait:.0f} s")
+                        continue
+                    self.restarts += 1
+                    wait = interval_s
+                    log(f"[redis] redis-server restarted (pid {self.pid}); its clients reconnect on their next call")
+
+        self._supervisor = threading.Thread(target=watch, name="redis-supervisor", daemon=True)
+        self._supervisor.start()
 
     def _terminate(self, timeout: float = 10.0) -> None:
         proc, self.process = self.process, None
@@ -250,8 +293,10 @@ class EmbeddedRedis:
             proc.wait(5)
 
     def restart(self) -> str:
-        self.stop()
-        return self.start()
+        """Stop and start again (same port and data); supervision, if on, stays on."""
+        with self._lock:
+            self._terminate()
+            return self.start()
 
     def __enter__(self) -> "EmbeddedRedis":
         self.start()
