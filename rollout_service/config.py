@@ -232,6 +232,11 @@ class ServiceConfig(_Strict):
         "sampling, max_tokens, template kwargs) is a retry of a call whose answer was lost: replay returns the stored "
         "answer (nothing stored, no fork); fork runs it as an edited history. An Idempotency-Key header always replays.",
     )
+    forward_accept_timeout_s: float = Field(
+        5.0, gt=0,
+        description="A turn forwarded to the replica that owns its rollout (X-Session-ID or metadata.rollout_id "
+        "without X-Rollout-Id, under Serve's proxy) must be accepted there within this many seconds; otherwise "
+        "it is cancelled and run on the receiving replica (exact too: appends are conditional on the stored turn).")
     state_cache_rollouts: int = Field(
         4096, ge=0,
         description="Rollouts whose state each replica keeps in memory (LRU), revalidated against the stored turn "

@@ -82,12 +82,16 @@ async def test_each_rollout_sticks_to_one_replica(service):
 def drill_url(service):
     """A second app of the same service (same fleet, store and config, its own two replicas): the
     kill drill below kills one of *its* replicas, not one of the session service's, which every
-    later test uses (a replica kill there once left a later call hanging: docs/data-plane.md)."""
+    later test uses (a replica kill there once left a later call hanging: docs/data-plane.md).
+    Its forwarded turns must be accepted within 1 ms, which no hop meets: every forwarded turn takes
+    the fallback (the kill drill sends X-Rollout-Id only, so it forwards nothing)."""
     from ray import serve
 
     from rollout_service.serve.app import build_app
 
-    serve.run(build_app(service.config.model_copy(deep=True)), name="kill-drill", route_prefix="/kill-drill")
+    config = service.config.model_copy(deep=True)
+    config.service.forward_accept_timeout_s = 0.001
+    serve.run(build_app(config), name="kill-drill", route_prefix="/kill-drill")
     yield f"{service.url}/kill-drill"
     serve.delete("kill-drill")
 
@@ -133,3 +137,32 @@ async def _healed(url: str, timeout_s: float = 120.0) -> None:
             else:
                 await asyncio.sleep(0.5)
             await client.delete(f"/v1/rollouts/{rid}", headers={"X-Rollout-Id": rid})
+
+
+async def test_a_forwarded_turn_not_accepted_in_time_runs_where_it_arrived_and_stays_exact(drill_url):
+    """service.forward_accept_timeout_s: a turn forwarded to its rollout's owner (X-Session-ID, not
+    routed by the proxy) that the owner has not accepted in time is cancelled there and run on the
+    replica that received it, exact from the store: one segment, every turn monotonic."""
+    rid = f"fallback-{uuid.uuid4().hex[:8]}"
+    state = _new_state([rid])
+    receivers, owners = [], []
+    async with httpx.AsyncClient(base_url=drill_url, timeout=120) as client:
+        owner, msg = await _turn(client, rid, state[rid]["messages"], seed=1)
+        state[rid]["calls"].append(msg)
+        for turn in range(2, 10):
+            msgs = state[rid]["messages"]
+            msgs += [{"role": "assistant", "content": state[rid]["calls"][-1]["content"] or ""},
+                     {"role": "user", "content": f"turn {turn}"}]
+            r = await client.post("/v1/chat/completions", headers={"X-Session-ID": rid},
+                                  json={"model": MODEL, "messages": msgs, "max_tokens": 4, "seed": turn})
+            assert r.status_code == 200, r.text
+            assert r.headers.get("x-rollout-forward") == "fallback", dict(r.headers)
+            receivers.append(r.headers["x-rollout-replica"])
+            owners.append(r.headers["x-rollout-owner"])
+            message = r.json()["choices"][0]["message"]
+            assert message["rollout"]["turn"] == turn and message["rollout"]["monotonic"], message["rollout"]
+            state[rid]["calls"].append(message)
+        state[rid]["messages"] = msgs
+    assert owners == receivers, "a turn ran elsewhere than where it arrived: it was not the fallback"
+    assert any(r != owner for r in receivers), f"every call arrived at the owner {owner}: nothing shown"
+    _check_trajectories(drill_url, state)

@@ -28,7 +28,7 @@ def _next(messages, r, turn):
 
 def test_the_proxy_routes_rollout_ids_straight_to_the_owner_and_aliases_reach_the_same_owner(http):
     rids = [f"route-{i}-{uuid.uuid4().hex[:6]}" for i in range(12)]
-    owners, forwarded = {}, 0
+    owners, forwarded, fallbacks = {}, 0, 0
     for rid in rids:
         messages = [{"role": "user", "content": f"start {rid}"}]
         for turn in range(1, 5):
@@ -40,12 +40,24 @@ def test_the_proxy_routes_rollout_ids_straight_to_the_owner_and_aliases_reach_th
                 r = _call(http, messages, headers={"X-Session-ID": rid}, seed=turn)
             else:
                 r = _call(http, messages, metadata={"rollout_id": rid}, seed=turn)
-            forwarded += r.headers["x-rollout-replica"] != r.headers["x-rollout-owner"]
-            owners.setdefault(rid, r.headers["x-rollout-owner"])
-            assert r.headers["x-rollout-owner"] == owners[rid], f"{rid} ran on two replicas"
             rollout = r.json()["choices"][0]["message"]["rollout"]
-            assert rollout == {"id": rid, "turn": turn, "segment": 0, "monotonic": True, "constrained": False, "replayed": False}
+            if r.headers.get("x-rollout-forward") == "fallback":
+                # Serve's handle did not bring the owner's acceptance back in time (docs/data-plane.md,
+                # ~1 in 200 forwarded turns): run where it arrived, answered from the store if the
+                # owner had stored it. Still this rollout's next turn, exact (checked below).
+                assert r.headers["x-rollout-owner"] == r.headers["x-rollout-replica"]
+                fallbacks += 1
+            else:
+                forwarded += r.headers["x-rollout-replica"] != r.headers["x-rollout-owner"]
+                owners.setdefault(rid, r.headers["x-rollout-owner"])
+                assert r.headers["x-rollout-owner"] == owners[rid], f"{rid} ran on two replicas"
+                assert not rollout["replayed"], rollout
+            assert {**rollout, "replayed": False} == {"id": rid, "turn": turn, "segment": 0, "monotonic": True,
+                                                      "constrained": False, "replayed": False}
             messages = _next(messages, r, turn)
+        stored = http.get(f"/v1/rollouts/{rid}").json()
+        assert stored["turns"] == 4 and len(stored["segments"]) == 1, stored["turns"]
+    print(f"forwarded {forwarded}, fallbacks {fallbacks}")
     assert len(set(owners.values())) == 2, "the rollouts should spread over both replicas"
     assert forwarded >= 1, "calls without X-Rollout-Id land anywhere and must have been forwarded to the owner"
 

@@ -7,12 +7,14 @@ HTTP proxy copies the ``X-Rollout-Id`` header into the request's session id
 replica, which runs the turn in-process (:class:`~rollout_service.serve.turns.TurnRunner`) over
 its fleet client and the store. One Serve hop from proxy to rollout.
 
-A call whose rollout id the proxy did not route on (``X-Session-ID``, ``metadata.rollout_id`` in
+A turn whose rollout id the proxy did not route on (``X-Session-ID``, ``metadata.rollout_id`` in
 the body, or a proxy started without the header setting) is forwarded once, through this
 deployment's own handle with the rollout id as session id, to the replica that owns it; the
-answer is still formatted here. Correctness never depends on the routing: history is in the store
-and appends are conditional on the turn counter; routing keeps the per-replica state cache hot and
-concurrent calls of one rollout on one replica.
+answer is still formatted here. A forwarded turn the owner has not accepted within
+``service.forward_accept_timeout_s`` is cancelled and run here. Reads (rollout, view, tokenize)
+and deletes run on the replica that received them, from the store. Correctness never depends on
+the routing: history is in the store and appends are conditional on the turn counter; routing
+keeps the per-replica state cache hot and concurrent calls of one rollout on one replica.
 
 The engines are owned by the detached engine fleet (:mod:`rollout_service.fleet`), which each
 replica looks up (or creates) on start, so the app works the same under ``serve run`` and
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import os
 import re
@@ -51,7 +54,7 @@ from rollout_service.protocol.openai import (
 from rollout_service.serve.dialects import chat, completions, responses
 from rollout_service.serve.dialects.common import RolloutHeaders, rollout_headers, unicode_body
 from rollout_service.serve.routing import ROUTER_CLASS
-from rollout_service.serve.turn_types import TokenDelta, TurnError, TurnRequest, TurnResult
+from rollout_service.serve.turn_types import TokenDelta, TurnAccepted, TurnError, TurnRequest, TurnResult
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +257,12 @@ def create_app() -> FastAPI:
 fastapi_app = create_app()
 
 
+async def _prepend(first, events: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for event in events:
+        yield event
+
+
 async def _guard_events(events: AsyncIterator) -> AsyncIterator:
     """Unexpected failures of a call as ServiceErrors: 503 when an engine or replica is gone, else 500."""
     try:
@@ -328,6 +337,7 @@ class RolloutService:
         self._self_handle = None
         self._warned_routing = False
         self.forwarded = 0
+        self.forward_fallbacks = 0  # forwarded turns not accepted in time, run here
         self.haproxy = haproxy_mode()
         try:
             context = serve.get_replica_context()
@@ -403,20 +413,54 @@ class RolloutService:
     async def _events(self, turn: TurnRequest, request: Request) -> AsyncIterator:
         """The runner's events for a turn, run here or on the replica that owns its rollout."""
         if turn.rollout_id is None or self._owns(turn.rollout_id):
-            runner = await self._runner_or_503()
-            async for event in runner.run_turn(turn):
-                if isinstance(event, TurnResult):
-                    event.replica = self.replica_id
+            async for event in self._local_events(turn):
                 yield event
             return
         self._note_forward(request, turn.rollout_id)
-        async for event in self._owner(turn.rollout_id, stream=True).run_forwarded.remote(turn):
+        timeout = self.config.service.forward_accept_timeout_s
+        # The owner starts the turn only before half the timeout has passed, so an acceptance is back
+        # here before this side gives up: the turn never runs on both (clocks of one cluster agree to
+        # well under that; if they did not, one of the two conditional appends would lose: a 409).
+        events = self._owner(turn.rollout_id, stream=True).run_forwarded.remote(turn, time.time() + timeout / 2)
+        try:
+            first = await asyncio.wait_for(events.__anext__(), timeout)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            # No acceptance in time. Measured (docs/data-plane.md): about 1 in 200 forwarded turns
+            # whose owner ran and stored the turn but whose streamed events never came back through
+            # Serve's handle; or the call was refused there as too late. The turn runs here, exact
+            # from the store: a turn the owner stored is answered from it (replayed), not run again.
+            events.cancel()
+            self.forward_fallbacks += 1
+            logger.warning("forwarded turn of rollout %s not accepted by its owner within %.1f s: running it here",
+                           turn.rollout_id, timeout)
+            async for event in self._local_events(dataclasses.replace(turn, replay_if_stored=True)):
+                if isinstance(event, TurnResult):
+                    event.forward_fallback = True
+                yield event
+            return
+        if not isinstance(first, TurnAccepted):  # an owner of an older version: no handshake
+            events = _prepend(first, events)
+        async for event in events:
             if isinstance(event, TurnError):
                 raise ServiceError.from_result({"__error__": event.status, **event.envelope})
             yield event
 
-    async def run_forwarded(self, turn: TurnRequest):
-        """A turn forwarded by another replica (this one owns its rollout); errors travel as data."""
+    async def _local_events(self, turn: TurnRequest) -> AsyncIterator:
+        runner = await self._runner_or_503()
+        async for event in runner.run_turn(turn):
+            if isinstance(event, TurnResult):
+                event.replica = self.replica_id
+            yield event
+
+    async def run_forwarded(self, turn: TurnRequest, accept_by: float | None = None):
+        """A turn forwarded by another replica (this one owns its rollout); errors travel as data.
+        The first event says it was accepted (:class:`TurnAccepted`); after ``accept_by`` (epoch
+        seconds) it is refused with no event: the sender runs it itself."""
+        if accept_by is not None and time.time() > accept_by:
+            logger.warning("forwarded turn of rollout %s arrived %.3f s after its acceptance deadline: left to "
+                           "the replica that received it", turn.rollout_id, time.time() - accept_by)
+            return
+        yield TurnAccepted(self.replica_id)
         try:
             runner = await self._runner_or_503()
             async for event in runner.run_turn(turn):
@@ -428,22 +472,10 @@ class RolloutService:
         except Exception as exc:
             yield TurnError(*_unexpected(exc))
 
-    async def call_forwarded(self, op: str, kwargs: dict[str, Any]):
-        """A rollout read / delete / tokenize forwarded to the owning replica."""
-        try:
-            return await getattr(await self._runner_or_503(), op)(**kwargs)
-        except ServiceError as exc:
-            return TurnError(exc.status, exc.envelope())
-        except Exception as exc:
-            return TurnError(*_unexpected(exc))
-
-    async def _on_owner(self, rollout_id: str | None, op: str, kwargs: dict[str, Any]):
-        if rollout_id is None or self._owns(rollout_id):
-            return await getattr(await self._runner_or_503(), op)(**kwargs)
-        result = await self._owner(rollout_id, stream=False).call_forwarded.remote(op, kwargs)
-        if isinstance(result, TurnError):
-            raise ServiceError.from_result({"__error__": result.status, **result.envelope})
-        return result
+    async def _read(self, op: str, kwargs: dict[str, Any]):
+        """A rollout read / delete / tokenize, on this replica: the store is the truth (an owner's
+        cached copy is revalidated against it on its next load), so these are never forwarded."""
+        return await getattr(await self._runner_or_503(), op)(**kwargs)
 
     # ------------------------------------------------------------------ dialect plumbing
     def _check_model(self, model: str | None) -> None:
@@ -468,6 +500,8 @@ class RolloutService:
         headers = {"x-rollout-replica": self.replica_id}
         if event.replica:
             headers["x-rollout-owner"] = event.replica
+        if event.forward_fallback:
+            headers["x-rollout-forward"] = "fallback"
         return Response(body.model_dump_json(exclude_unset=True), media_type="application/json", headers=headers)
 
     # ------------------------------------------------------------------ routes
@@ -501,20 +535,20 @@ class RolloutService:
                   "chat_template_kwargs": body.chat_template_kwargs, "add_special_tokens": body.add_special_tokens,
                   "return_token_strs": body.return_token_strs,
                   "required_prefix_token_ids": body.required_prefix_token_ids}
-        return JSONResponse(await self._on_owner(rid, "tokenize", kwargs))
+        return JSONResponse(await self._read("tokenize", kwargs))
 
     @fastapi_app.get("/v1/rollouts/{rollout_id}")
     async def get_rollout(self, rollout_id: str):
-        return JSONResponse(await self._on_owner(_path_rollout_id(rollout_id), "get_rollout", {"rollout_id": rollout_id}))
+        return JSONResponse(await self._read("get_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))
 
     @fastapi_app.delete("/v1/rollouts/{rollout_id}")
     async def delete_rollout(self, rollout_id: str):
-        return JSONResponse(await self._on_owner(_path_rollout_id(rollout_id), "delete_rollout", {"rollout_id": rollout_id}))
+        return JSONResponse(await self._read("delete_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))
 
     @fastapi_app.get("/rollouts/{rollout_id}/view")
     async def view_rollout(self, rollout_id: str):
         """The trajectory viewer: one self-contained page; the policy forbids anything external or scripted."""
-        page = await self._on_owner(_path_rollout_id(rollout_id), "view_rollout", {"rollout_id": rollout_id})
+        page = await self._read("view_rollout", {"rollout_id": _path_rollout_id(rollout_id)})
         return HTMLResponse(page, headers=_VIEWER_HEADERS)
 
     @fastapi_app.get("/v1/status")
@@ -566,7 +600,7 @@ class RolloutService:
         view = runner.fleet.view
         info = {"replica": self.replica_id, "store": store_ok, "engines_alive": len(runner.fleet.members()),
                 "fleet_epoch": view.epoch if view else None, "weight_version": view.version if view else None,
-                "forwarded_calls": self.forwarded, "ingress": "haproxy" if self.haproxy else "serve"}
+                "forwarded_calls": self.forwarded, "forward_fallbacks": self.forward_fallbacks, "ingress": "haproxy" if self.haproxy else "serve"}
         if not store_ok or not info["engines_alive"]:
             raise ServiceError(503, f"not ready: {info}", type="service_unavailable")
         return JSONResponse({"status": "ok", **info})

@@ -61,6 +61,9 @@ class TurnRequest:
     # the Responses dialect converts its ``text.format`` to it.
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Answer from the store if this exact call is already stored, whatever service.retry_policy says
+    # (a forwarded turn run where it arrived: its owner may have stored it). Not part of the digest.
+    replay_if_stored: bool = False
 
     def digest(self) -> str:
         """What makes two calls the same call: everything that shapes the prompt or the sampling.
@@ -126,11 +129,20 @@ class TurnResult:
     token_strs: dict[int, str] | None = None
     replayed: bool = False
     replica: str | None = None  # the replica that ran the turn (owns the rollout)
+    forward_fallback: bool = False  # forwarded, not accepted in time, run where it arrived
 
     @property
     def usage(self) -> dict[str, int]:
         p, c = len(self.prompt_token_ids), len(self.generation_token_ids)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+@dataclass
+class TurnAccepted:
+    """First event of a forwarded turn: the owning replica has started it (the forwarding side's
+    proof that the hop delivered the call; see ``service.forward_accept_timeout_s``)."""
+
+    replica: str
 
 
 @dataclass

@@ -321,7 +321,7 @@ class TurnRunner:
             turn = find_turn(state, idempotency_key=req.idempotency_key)
             if turn is None:
                 return None
-        elif self.config.service.retry_policy == "replay":
+        elif self.config.service.retry_policy == "replay" or req.replay_if_stored:
             turn = find_turn(state, request_digest=digest)
             if turn is None:
                 return None
