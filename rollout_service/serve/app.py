@@ -257,12 +257,6 @@ def create_app() -> FastAPI:
 fastapi_app = create_app()
 
 
-async def _prepend(first, events: AsyncIterator) -> AsyncIterator:
-    yield first
-    async for event in events:
-        yield event
-
-
 async def _guard_events(events: AsyncIterator) -> AsyncIterator:
     """Unexpected failures of a call as ServiceErrors: 503 when an engine or replica is gone, else 500."""
     try:
@@ -423,7 +417,7 @@ class RolloutService:
         # well under that; if they did not, one of the two conditional appends would lose: a 409).
         events = self._owner(turn.rollout_id, stream=True).run_forwarded.remote(turn, time.time() + timeout / 2)
         try:
-            first = await asyncio.wait_for(events.__anext__(), timeout)
+            await asyncio.wait_for(events.__anext__(), timeout)  # run_forwarded's TurnAccepted
         except (asyncio.TimeoutError, StopAsyncIteration):
             # No acceptance in time. Measured (docs/data-plane.md): about 1 in 200 forwarded turns
             # whose owner ran and stored the turn but whose streamed events never came back through
@@ -438,8 +432,6 @@ class RolloutService:
                     event.forward_fallback = True
                 yield event
             return
-        if not isinstance(first, TurnAccepted):  # an owner of an older version: no handshake
-            events = _prepend(first, events)
         async for event in events:
             if isinstance(event, TurnError):
                 raise ServiceError.from_result({"__error__": event.status, **event.envelope})

@@ -128,7 +128,7 @@ class TurnResult:
     engine_index: int | None = None
     token_strs: dict[int, str] | None = None
     replayed: bool = False
-    replica: str | None = None  # the replica that ran the turn (owns the rollout)
+    replica: str | None = None  # the replica that ran the turn (its owner, or where a fallback ran it)
     forward_fallback: bool = False  # forwarded, not accepted in time, run where it arrived
 
     @property
