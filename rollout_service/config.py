@@ -135,6 +135,13 @@ class EngineConfig(_Strict):
         "whole budget on whitespace inside the JSON.",
     )
     max_logprobs: int = Field(20, ge=0, description="Upper bound on `top_logprobs` a request may ask for.")
+    data_channel: Literal["tcp", "ray"] = Field(
+        "tcp",
+        description="How the data plane reaches an engine for generations. `tcp`: one connection per replica "
+        "process and engine, msgpack frames, calls multiplexed (the engine actor serves it on a port of its node; "
+        "rollout_service/engine/channel.py). `ray`: a Ray actor call per generation (a Ray object per streamed "
+        "chunk), which costs both sides ~1 ms more CPU per call. The control plane always uses Ray calls.",
+    )
     stream_batch_window_s: float = Field(
         0.05,
         ge=0.0,

@@ -1098,6 +1098,8 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=10,
                     help="after each warm-up, CPU of every process with no call running (background per second)")
     ap.add_argument("--json", help="write all results (without per-call ids) to this file")
+    ap.add_argument("--engine-channel", choices=["tcp", "ray"], default=None,
+                    help="engine.data_channel for the service (default: the config's, tcp)")
     args = ap.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     phases_levels = [int(x) for x in args.phases_levels.split(",") if x.strip()]
@@ -1124,6 +1126,9 @@ def main() -> int:
     cfg = RolloutServiceConfig()
     cfg.engine.model = model
     cfg.engine.served_model_name = SERVED_NAME
+    if args.engine_channel:
+        cfg.engine.data_channel = args.engine_channel
+    print(f"[bench] engine.data_channel: {cfg.engine.data_channel}", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-svc-vllm-"))
     extra: dict[str, Any] = {"startup_s": {}, "threads": {}, "mode_check": {}, "profile": {}, "phases": {},
                              "engine_probe_ms": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}

@@ -204,6 +204,9 @@ class EngineProbe:
     async def process_info(self):
         return {"node_id": ray.get_runtime_context().get_node_id(), "processes": []}
 
+    async def open_channel(self):
+        return None  # no engine, no data channel: the fleet's members then have none (Ray calls)
+
     async def weight_version(self):
         return self.version
 

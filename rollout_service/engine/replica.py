@@ -82,6 +82,7 @@ class EngineReplica:
         self._paused = False  # as last set by pause / resume (health must not ask the busy engine core)
         self._startup_s: float | None = None
         self._start_lock = asyncio.Lock()
+        self._channel = None  # engine.channel.ChannelServer, once open_channel was called
 
     # ----------------------------------------------------------------- life cycle
     def engine_args(self):
@@ -166,7 +167,24 @@ class EngineReplica:
         async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0, 1, 2]), params, "warmup-" + uuid.uuid4().hex):
             pass
 
+    async def open_channel(self, host: str | None = None):
+        """Serve this engine's generations on a TCP port of ``host`` (default: this Ray node's
+        address) and return its :class:`~rollout_service.engine.channel.ChannelAddress`: the data
+        plane's path to the engine (idempotent). See :mod:`rollout_service.engine.channel`."""
+        from rollout_service.engine.channel import ChannelServer
+
+        if self._channel is None:
+            self._channel = ChannelServer(self.generate, self.generate_all)
+        if host is None:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        return await self._channel.start(host)
+
     def shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None

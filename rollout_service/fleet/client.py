@@ -10,10 +10,11 @@ engine. It never pauses, loads or labels anything: that is the control plane's b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 from rollout_service.fleet.fleet import FleetView, Member
 
@@ -51,6 +52,7 @@ class FleetClient:
         self.lost: dict[tuple[int, int], float] = {}
         self.avoid_lost_s = 10.0
         self._watch: asyncio.Task | None = None
+        self.channels: dict[tuple[int, int], Any] = {}  # member key -> engine.channel.EngineChannel (this process)
 
     def __getstate__(self):
         return {"fleet": self.fleet, "view": self.view, "policy": self.policy, "max_pins": self.max_pins,
@@ -73,6 +75,10 @@ class FleetClient:
         live = {m.key for m in view.members}
         now = time.monotonic()
         self.lost = {k: t for k, t in self.lost.items() if k in live and t > now}
+        for key in [k for k in self.channels if k not in live]:
+            # An engine that left the serving set (dead, replaced, retired): its calls fail now as
+            # lost (retried elsewhere if they produced nothing), not whenever its socket notices.
+            self.channels.pop(key).close()
 
     def start_watching(self) -> None:
         """Follow the fleet in the background in this process's event loop: a long poll that
@@ -132,6 +138,44 @@ class FleetClient:
         else:
             self.outstanding.pop(member.key, None)
 
+    # ------------------------------------------------------------------ generation
+    async def generate(self, member: Member, request, stream: bool) -> AsyncIterator:
+        """``request`` (an engine.replica.GenerateRequest) on ``member``'s engine: its chunks as they come
+        (streaming), or the whole generation as one chunk. Over the engine's data channel when it
+        has one (engine.data_channel: tcp), else a Ray actor call. Closing the iterator early stops
+        the generation in the engine. Engine death: an error for which :func:`is_engine_death` holds."""
+        if member.channel is not None:
+            from rollout_service.engine.channel import EngineChannel
+
+            channel = self.channels.get(member.key)
+            if channel is None or channel.closed:
+                channel = self.channels[member.key] = EngineChannel(member.channel)
+            chunks = channel.call(request, stream)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+            return
+        call, done = None, False
+        try:
+            if not stream:
+                call = member.handle.generate_all.remote(request)
+                chunk = await call
+                done = True
+                yield chunk
+                return
+            call = member.handle.generate.options(num_returns="streaming").remote(request)
+            async for ref in call:
+                yield await ref
+            done = True
+        finally:
+            if call is not None and not done:
+                _cancel(call)
+
+    def close_channels(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+        self.channels.clear()
+
     def report_lost(self, member: Member, error: BaseException) -> None:
         """A call on ``member`` failed as if the engine were dead: stop routing to it here and tell
         the fleet, which checks it now instead of at its next probe."""
@@ -144,10 +188,25 @@ class FleetClient:
 
 
 def is_engine_death(exc: BaseException) -> bool:
-    """Ray's ways of saying the engine actor is gone (killed, crashed, node lost, unreachable)."""
+    """The engine is gone (killed, crashed, node lost, unreachable): Ray's ways of saying so of the
+    actor, or its data channel lost (engine.channel.EngineLost)."""
     import ray.exceptions as rex
 
-    return isinstance(exc, (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError))
+    from rollout_service.engine.channel import EngineLost
+
+    return isinstance(exc, (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, EngineLost))
+
+
+def _cancel(call) -> None:
+    """Stop an engine call nobody waits for any more (client gone, call cancelled): dropping a Ray
+    streaming generator does not stop the actor's generator, ``ray.cancel`` does, and the engine
+    then aborts the vLLM request."""
+    import ray
+
+    try:
+        ray.cancel(call)
+    except Exception:  # already finished, or the actor is gone
+        pass
 
 
 def is_actor_dead(exc: BaseException) -> bool:

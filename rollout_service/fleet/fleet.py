@@ -53,6 +53,7 @@ class Member:
     generation: int
     handle: Any
     load: int = 0
+    channel: Any = None  # engine.channel.ChannelAddress: the data plane's path (engine.data_channel: tcp)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -78,6 +79,7 @@ class _Slot:
     actor: Any = None
     placement: Any = None
     processes: dict[str, Any] | None = None  # node_id + (pid, create_time) of the engine's processes
+    channel: Any = None  # the engine's data channel address (engine.channel.ChannelAddress), if it has one
     load: int = 0
     task: asyncio.Task | None = None  # the start / load running for this slot
 
@@ -226,7 +228,8 @@ class EngineFleet:
     # ------------------------------------------------------------------ views
     def _view(self) -> FleetView:
         members = tuple(
-            Member(i, self.slots[i].generation, self.slots[i].actor, self.slots[i].load) for i in self.health.serving()
+            Member(i, self.slots[i].generation, self.slots[i].actor, self.slots[i].load, self.slots[i].channel)
+            for i in self.health.serving()
         )
         return FleetView(self.health.epoch, self.health.current_version, members, self.health.refitting)
 
@@ -443,7 +446,7 @@ class EngineFleet:
         import ray
 
         actor, processes = s.actor, s.processes
-        s.actor, s.processes, s.load = None, None, 0
+        s.actor, s.processes, s.load, s.channel = None, None, 0, None
         if actor is None:
             return
         try:
@@ -478,6 +481,10 @@ class EngineFleet:
             s.generation, s.actor = generation, actor
             await asyncio.wait_for(actor.start.remote(), timeout)
             s.processes = await asyncio.wait_for(actor.process_info.remote(), 60)
+            if ec.data_channel == "tcp":
+                channel = await asyncio.wait_for(actor.open_channel.remote(), 60)
+                if s.actor is actor:
+                    s.channel = channel
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -452,6 +452,8 @@ class TurnRunner:
                 and not any((t.get("function") or {}).get("strict") is True for t in req.tools or [])
                 and not tool_parser_raises_strictness(ec.tool_parser)):
             return None  # vLLM's rule, without building its request: nothing constrains a free call
+        from vllm.exceptions import VLLMClientError
+
         try:
             return structured_outputs_for(
                 tokenizer=self.tokenizer, reasoning_parser=ec.reasoning_parser,
@@ -459,7 +461,8 @@ class TurnRunner:
                 tools=req.tools, tool_choice=_vllm_tool_choice(req), parallel_tool_calls=req.parallel_tool_calls,
                 response_format=req.response_format, strict_level=ec.tool_strict_level,
                 max_json_whitespace=1 if ec.compact_structured_json else None)
-        except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+        except (ValueError, TypeError, VLLMClientError) as exc:  # pydantic's ValidationError is a ValueError;
+            # vLLM's own (a json_schema format without a schema: "none are specified")
             raise bad_request(f"response_format: {_first_error(exc)}", param="response_format",
                               code="invalid_response_format") from None
 
@@ -535,7 +538,7 @@ class TurnRunner:
         engine from the same prompt ids (a non-streaming call passes nothing on until it is done).
         Once tokens were streamed, the call fails with 503 and nothing is stored; the rollout's next
         call continues from its stored tokens on a live engine. Streaming calls get the engine's
-        chunks as they come; a non-streaming call is one actor round trip (``generate_all``).
+        chunks as they come; a non-streaming call is one round trip (``FleetClient.generate``).
         """
         attempts = max(2, len(self.fleet.members()))  # each live engine once; at least one retry
         for attempt in range(attempts):
@@ -546,21 +549,11 @@ class TurnRunner:
             request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens)
             produced = False
             self.fleet.acquire(member)
-            call = None
-            done = False
+            chunks = self.fleet.generate(member, request, stream)
             try:
-                if not stream:
-                    call = member.handle.generate_all.remote(request)
-                    chunk = await call
-                    done = produced = True
-                    yield chunk
-                    return
-                call = member.handle.generate.options(num_returns="streaming").remote(request)
-                async for ref in call:
-                    chunk = await ref
+                async for chunk in chunks:
                     produced = True
                     yield chunk
-                done = True
                 return
             except Exception as exc:
                 refused = _engine_refusal(exc)
@@ -578,8 +571,7 @@ class TurnRunner:
                                    type="service_unavailable", code="engine_lost") from None
             finally:
                 self.fleet.release(member)
-                if call is not None and not done:
-                    _cancel(call)
+                await chunks.aclose()
 
 
 _STORE_OPS = {"load": "read", "delete": "delete"}  # RolloutStore method -> metrics op of a rollout read / delete
@@ -601,18 +593,6 @@ async def _counted(mode: str, events: AsyncIterator) -> AsyncIterator:
     finally:
         if not ended:
             metrics.call_ended(mode)
-
-
-def _cancel(call) -> None:
-    """Stop an engine call nobody waits for any more (client gone, call cancelled): dropping a Ray
-    streaming generator does not stop the actor's generator, ``ray.cancel`` does, and the engine
-    then aborts the vLLM request."""
-    import ray
-
-    try:
-        ray.cancel(call)
-    except Exception:  # already finished, or the actor is gone
-        pass
 
 
 def _vocab_size(config: RolloutServiceConfig, tokenizer) -> int:
