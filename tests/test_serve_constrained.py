@@ -200,3 +200,15 @@ def test_a_bad_response_format_is_a_400_and_stores_nothing(http, fmt):
     assert r.status_code == 400, r.text
     assert (r.json()["error"]["param"] or "").startswith("response_format"), r.text
     assert http.get(f"/v1/rollouts/{rid}").status_code == 404
+
+
+def test_a_responses_json_schema_format_without_a_schema_is_a_400_and_stores_nothing(http):
+    """Found by the schema fuzzer: vLLM's own request conversion refuses it (VLLMValidationError,
+    "none are specified"), which was a 500."""
+    rid = f"rf-noschema-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL, "input": "0", "max_output_tokens": 4, "text": {"format": {"name": "0", "type": "json_schema"}}}
+    r = http.post("/v1/responses", json=body, headers={"X-Rollout-Id": rid})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_response_format" and (err["param"] or "").startswith("response_format"), r.text
+    assert http.get(f"/v1/rollouts/{rid}").status_code == 404
