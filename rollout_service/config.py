@@ -147,8 +147,9 @@ class EngineConfig(_Strict):
         ge=0.0,
         le=1.0,
         description="A streamed generation's first token is sent at once, its end too; in between, tokens are sent "
-        "at most once per this window, as one chunk (a Ray object each: ~1 ms of the consumer's CPU, against "
-        "microseconds for the tokens in it). 0: one chunk per engine output. Ids, logprobs and weight spans are the "
+        "at most once per this window, as one chunk (one frame on the data channel; with data_channel: ray a Ray "
+        "object each, ~1 ms of the consumer's CPU against microseconds for the tokens in it). 0: one chunk per "
+        "engine output. Ids, logprobs and weight spans are the "
         "same either way.",
     )
     weight_transfer_backend: Literal["nccl"] | None = Field(
