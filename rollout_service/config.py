@@ -244,7 +244,13 @@ class ServiceConfig(_Strict):
         5.0, gt=0,
         description="A turn forwarded to the replica that owns its rollout (X-Session-ID or metadata.rollout_id "
         "without X-Rollout-Id, under Serve's proxy) must be accepted there within this many seconds; otherwise "
-        "it is cancelled and run on the receiving replica (exact too: appends are conditional on the stored turn).")
+        "it is cancelled and run on the receiving replica (exact too: appends are conditional on the stored turn). "
+        "After the acceptance, a forwarded turn's stream silent for this long is given up the same way.")
+    forward_heartbeat_s: float = Field(
+        1.0, gt=0,
+        description="The owner of a forwarded turn sends a heartbeat on its stream after this many seconds without an "
+        "event (the forwarding replica asks for its own value), so a quiet turn (engine paused for a refit, a long "
+        "non-streamed generation) is told apart from a lost stream. Keep it well under forward_accept_timeout_s.")
     state_cache_rollouts: int = Field(
         4096, ge=0,
         description="Rollouts whose state each replica keeps in memory (LRU), revalidated against the stored turn "

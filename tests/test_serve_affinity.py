@@ -166,3 +166,80 @@ async def test_a_forwarded_turn_not_accepted_in_time_runs_where_it_arrived_and_s
     assert owners == receivers, "a turn ran elsewhere than where it arrived: it was not the fallback"
     assert any(r != owner for r in receivers), f"every call arrived at the owner {owner}: nothing shown"
     _check_trajectories(drill_url, state)
+
+
+@pytest.fixture(scope="module")
+def quiet_url(service):
+    """Another app of the same service whose replicas send no heartbeat on a forwarded turn's stream
+    within the 2 s the sender allows it to stay silent: a quiet forwarded turn looks lost there."""
+    from ray import serve
+
+    from rollout_service.serve.app import build_app
+
+    config = service.config.model_copy(deep=True)
+    config.service.forward_accept_timeout_s = 2.0
+    config.service.forward_heartbeat_s = 30.0
+    serve.run(build_app(config), name="quiet-forward", route_prefix="/quiet-forward")
+    yield f"{service.url}/quiet-forward"
+    serve.delete("quiet-forward")
+
+
+def _engine_handles(service):
+    from rollout_service.fleet.fleet import fleet_name, get_fleet
+
+    return ray.get(get_fleet(fleet_name(service.config.service.instance_name)).view.remote()).handles()
+
+
+async def _forwarded_turn_while_paused(service, url: str, pause_s: float, attempts: int = 12):
+    """A rollout's next turns, sent with X-Session-ID while every engine is paused (keep) for
+    ``pause_s``, until one arrives at a replica that does not own the rollout and is forwarded (each
+    arrives at either replica); returns that response and the rollout's state (checked by the caller)."""
+    engines = _engine_handles(service)
+    rid = f"quiet-{uuid.uuid4().hex[:8]}"
+    state = _new_state([rid])
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        owner, msg = await _turn(client, rid, state[rid]["messages"], seed=1)
+        state[rid]["calls"].append(msg)
+        for turn in range(2, 2 + attempts):
+            msgs = state[rid]["messages"]
+            msgs += [{"role": "assistant", "content": state[rid]["calls"][-1]["content"] or ""},
+                     {"role": "user", "content": f"turn {turn}"}]
+            body = {"model": MODEL, "messages": msgs, "max_tokens": 4, "seed": turn}
+            ray.get([e.pause.remote("keep") for e in engines], timeout=60)
+            try:
+                call = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": rid}))
+                await asyncio.sleep(pause_s)
+                assert not call.done(), "a turn was answered while every engine was paused"
+            finally:
+                ray.get([e.resume.remote() for e in engines], timeout=60)
+            r = await call
+            assert r.status_code == 200, r.text
+            message = r.json()["choices"][0]["message"]
+            assert message["rollout"]["turn"] == turn and message["rollout"]["monotonic"], message["rollout"]
+            state[rid]["calls"].append(message)
+            if r.headers["x-rollout-replica"] != owner:
+                return r, owner, state
+    raise AssertionError(f"none of {attempts} turns arrived at the replica that does not own {rid}")
+
+
+async def test_a_forwarded_turn_kept_quiet_by_a_paused_engine_is_kept_alive_by_heartbeats(service):
+    """service.forward_heartbeat_s: the owner of a forwarded turn heartbeats while the turn waits for a
+    paused engine, so a turn silent for longer than forward_accept_timeout_s (5 s) still completes on
+    its owner: not given up, not run twice."""
+    assert service.config.service.forward_heartbeat_s < service.config.service.forward_accept_timeout_s < 6.0
+    r, owner, state = await _forwarded_turn_while_paused(service, service.url, pause_s=6.0)
+    assert "x-rollout-forward" not in r.headers, dict(r.headers)
+    assert r.headers["x-rollout-owner"] == owner != r.headers["x-rollout-replica"]
+    _check_trajectories(service.url, state)
+
+
+async def test_a_forwarded_turn_whose_stream_goes_silent_runs_where_it_arrived_and_stays_exact(service, quiet_url):
+    """After its acceptance a forwarded turn's stream silent for forward_accept_timeout_s counts as lost
+    (no heartbeat came: the owner of this app sends none within it): the sender cancels it there and
+    runs it itself, exact from the store (the owner's generation was aborted, nothing stored twice)."""
+    r, owner, state = await _forwarded_turn_while_paused(service, quiet_url, pause_s=3.5)
+    assert r.headers.get("x-rollout-forward") == "fallback", dict(r.headers)
+    assert r.headers.get("x-rollout-forward-reason") == "silent", dict(r.headers)
+    assert r.headers["x-rollout-owner"] == r.headers["x-rollout-replica"] != owner
+    assert r.json()["choices"][0]["message"]["rollout"]["replayed"] is False
+    _check_trajectories(quiet_url, state)

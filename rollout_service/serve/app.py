@@ -11,7 +11,8 @@ A turn whose rollout id the proxy did not route on (``X-Session-ID``, ``metadata
 the body, or a proxy started without the header setting) is forwarded once, through this
 deployment's own handle with the rollout id as session id, to the replica that owns it; the
 answer is still formatted here. A forwarded turn the owner has not accepted within
-``service.forward_accept_timeout_s`` is cancelled and run here. Reads (rollout, view, tokenize)
+``service.forward_accept_timeout_s``, or whose stream then stays silent that long (the owner sends
+a heartbeat every ``service.forward_heartbeat_s`` while a turn is quiet), is cancelled and run here. Reads (rollout, view, tokenize)
 and deletes run on the replica that received them, from the store. Correctness never depends on
 the routing: history is in the store and appends are conditional on the turn counter; routing
 keeps the per-replica state cache hot and concurrent calls of one rollout on one replica.
@@ -24,6 +25,7 @@ replica looks up (or creates) on start, so the app works the same under ``serve 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import logging
@@ -54,7 +56,14 @@ from rollout_service.protocol.openai import (
 from rollout_service.serve.dialects import chat, completions, responses
 from rollout_service.serve.dialects.common import RolloutHeaders, rollout_headers, unicode_body
 from rollout_service.serve.routing import ROUTER_CLASS
-from rollout_service.serve.turn_types import TokenDelta, TurnAccepted, TurnError, TurnRequest, TurnResult
+from rollout_service.serve.turn_types import (
+    TokenDelta,
+    TurnAccepted,
+    TurnError,
+    TurnHeartbeat,
+    TurnRequest,
+    TurnResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +214,27 @@ async def _observed(events: AsyncIterator, stream: bool) -> AsyncIterator:
         yield event
 
 
+async def _with_heartbeats(events: AsyncIterator, every_s: float) -> AsyncIterator:
+    """``events``, with a :class:`TurnHeartbeat` whenever ``every_s`` seconds pass without one."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = asyncio.ensure_future(events.__anext__())
+            while not (await asyncio.wait({pending}, timeout=every_s))[0]:
+                yield TurnHeartbeat()
+            done, pending = pending, None
+            try:
+                event = done.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        if pending is not None:  # closed or cancelled while waiting: stop the turn (its finally blocks run)
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await events.aclose()
+
+
 def error_response(exc: ServiceError) -> JSONResponse:
     return JSONResponse(exc.envelope(), status_code=exc.status)
 
@@ -331,7 +361,7 @@ class RolloutService:
         self._self_handle = None
         self._warned_routing = False
         self.forwarded = 0
-        self.forward_fallbacks = 0  # forwarded turns not accepted in time, run here
+        self.forward_fallbacks = 0  # forwarded turns given up (not accepted in time, or gone silent)
         self.haproxy = haproxy_mode()
         try:
             context = serve.get_replica_context()
@@ -415,26 +445,62 @@ class RolloutService:
         # The owner starts the turn only before half the timeout has passed, so an acceptance is back
         # here before this side gives up: the turn never runs on both (clocks of one cluster agree to
         # well under that; if they did not, one of the two conditional appends would lose: a 409).
-        events = self._owner(turn.rollout_id, stream=True).run_forwarded.remote(turn, time.time() + timeout / 2)
+        events = self._owner(turn.rollout_id, stream=True).run_forwarded.remote(
+            turn, time.time() + timeout / 2, self.config.service.forward_heartbeat_s)
         try:
             await asyncio.wait_for(events.__anext__(), timeout)  # run_forwarded's TurnAccepted
         except (asyncio.TimeoutError, StopAsyncIteration):
             # No acceptance in time. Measured (docs/data-plane.md): about 1 in 200 forwarded turns
             # whose owner ran and stored the turn but whose streamed events never came back through
-            # Serve's handle; or the call was refused there as too late. The turn runs here, exact
-            # from the store: a turn the owner stored is answered from it (replayed), not run again.
+            # Serve's handle; or the call was refused there as too late.
             events.cancel()
-            self.forward_fallbacks += 1
-            logger.warning("forwarded turn of rollout %s not accepted by its owner within %.1f s: running it here",
-                           turn.rollout_id, timeout)
-            async for event in self._local_events(dataclasses.replace(turn, replay_if_stored=True)):
-                if isinstance(event, TurnResult):
-                    event.forward_fallback = True
+            async for event in self._fallback_events(turn, "not-accepted",
+                                                     f"not accepted by its owner within {timeout:.1f} s"):
                 yield event
             return
-        async for event in events:
+        streamed = answered = False
+        while True:
+            # The owner sends a heartbeat whenever the turn is quiet for forward_heartbeat_s, so
+            # silence for the whole timeout means the stream is lost, not that the turn is slow.
+            try:
+                event = await asyncio.wait_for(events.__anext__(), timeout)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                if answered:  # only the stream's end is missing: the answer is here
+                    return
+                events.cancel()  # the owner's turn stops there (its engine call is aborted) if it is still running
+                if streamed:  # the client has part of the answer: it must retry (answered from the store)
+                    self.forward_fallbacks += 1
+                    logger.warning("forwarded turn of rollout %s: its owner's stream went silent for %.1f s after "
+                                   "deltas were sent: ending the stream with a retryable error", turn.rollout_id,
+                                   timeout)
+                    raise ServiceError(503, f"the replica owning rollout {turn.rollout_id!r} stopped answering; retry "
+                                       "(a turn it stored is answered from the store)", type="service_unavailable",
+                                       code="forward_lost")
+                async for event in self._fallback_events(turn, "silent", f"its owner's stream silent for {timeout:.1f} s"):
+                    yield event
+                return
+            if isinstance(event, TurnHeartbeat):
+                continue
             if isinstance(event, TurnError):
                 raise ServiceError.from_result({"__error__": event.status, **event.envelope})
+            if isinstance(event, TokenDelta):
+                streamed = True
+            elif isinstance(event, TurnResult):
+                answered = True
+            yield event
+
+    async def _fallback_events(self, turn: TurnRequest, reason: str, why: str) -> AsyncIterator:
+        """A forwarded turn given up (``reason``: not-accepted | silent) runs here, exact from the
+        store: a turn the owner stored is answered from it (replayed), never run twice or forked; one
+        the owner is still running (its cancellation lost too) meets the conditional append: one of
+        the two is a 409, and a retry is answered from the store."""
+        self.forward_fallbacks += 1
+        logger.warning("forwarded turn of rollout %s %s: running it here", turn.rollout_id, why)
+        async for event in self._local_events(dataclasses.replace(turn, replay_if_stored=True)):
+            if isinstance(event, TurnResult):
+                event.forward_fallback = reason
             yield event
 
     async def _local_events(self, turn: TurnRequest) -> AsyncIterator:
@@ -444,21 +510,23 @@ class RolloutService:
                 event.replica = self.replica_id
             yield event
 
-    async def run_forwarded(self, turn: TurnRequest, accept_by: float | None = None):
+    async def run_forwarded(self, turn: TurnRequest, accept_by: float | None = None, heartbeat_s: float | None = None):
         """A turn forwarded by another replica (this one owns its rollout); errors travel as data.
         The first event says it was accepted (:class:`TurnAccepted`); after ``accept_by`` (epoch
-        seconds) it is refused with no event: the sender runs it itself."""
+        seconds) it is refused with no event: the sender runs it itself. Then the turn's events,
+        with a :class:`TurnHeartbeat` after every ``heartbeat_s`` without one."""
         if accept_by is not None and time.time() > accept_by:
             logger.warning("forwarded turn of rollout %s arrived %.3f s after its acceptance deadline: left to "
                            "the replica that received it", turn.rollout_id, time.time() - accept_by)
             return
         yield TurnAccepted(self.replica_id)
         try:
-            runner = await self._runner_or_503()
-            async for event in runner.run_turn(turn):
-                if isinstance(event, TurnResult):
-                    event.replica = self.replica_id
-                yield event
+            events = self._local_events(turn)
+            if heartbeat_s:
+                events = _with_heartbeats(events, heartbeat_s)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
         except ServiceError as exc:
             yield TurnError(exc.status, exc.envelope())
         except Exception as exc:
@@ -494,6 +562,7 @@ class RolloutService:
             headers["x-rollout-owner"] = event.replica
         if event.forward_fallback:
             headers["x-rollout-forward"] = "fallback"
+            headers["x-rollout-forward-reason"] = event.forward_fallback
         return Response(body.model_dump_json(exclude_unset=True), media_type="application/json", headers=headers)
 
     # ------------------------------------------------------------------ routes

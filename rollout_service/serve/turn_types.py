@@ -129,7 +129,8 @@ class TurnResult:
     token_strs: dict[int, str] | None = None
     replayed: bool = False
     replica: str | None = None  # the replica that ran the turn (its owner, or where a fallback ran it)
-    forward_fallback: bool = False  # forwarded, not accepted in time, run where it arrived
+    # Forwarded, given up, run where it arrived; why: 'not-accepted' in time, or its stream went 'silent'
+    forward_fallback: str | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -143,6 +144,13 @@ class TurnAccepted:
     proof that the hop delivered the call; see ``service.forward_accept_timeout_s``)."""
 
     replica: str
+
+
+@dataclass
+class TurnHeartbeat:
+    """Sent by the owner of a forwarded turn while the turn is quiet (waiting for the engine, a
+    long non-streamed generation): the forwarding side's proof that the stream is still alive
+    (``service.forward_heartbeat_s``). Never reaches a client."""
 
 
 @dataclass
