@@ -189,6 +189,8 @@ def main() -> int:
                     help="then the engine actor alone vs vLLM /v1/completions on the turn-2 and last-turn prompt ids, "
                          "this many alternating pairs each (0: skip)")
     ap.add_argument("--json", help="write the per-turn rows and summaries here")
+    ap.add_argument("--engine-channel", choices=["tcp", "ray"], default=None,
+                    help="engine.data_channel for the service (default: the config's, tcp)")
     args = ap.parse_args()
 
     from rollout_service.config import RolloutServiceConfig
@@ -203,8 +205,11 @@ def main() -> int:
     cfg.engine.model = model
     cfg.engine.served_model_name = base.SERVED_NAME
     cfg.engine.max_model_len = args.max_model_len
+    if args.engine_channel:
+        cfg.engine.data_channel = args.engine_channel
     workdir = Path(tempfile.mkdtemp(prefix="bench-turn-latency-"))
-    print(f"[bench] code {code_start}; machine {info}; load {load_start}; workdir {workdir}", flush=True)
+    print(f"[bench] code {code_start}; machine {info}; load {load_start}; workdir {workdir}; "
+          f"engine.data_channel {cfg.engine.data_channel}", flush=True)
 
     server = base.VLLMServer(cfg.engine, model, workdir / "vllm-server.log", omp_threads=args.vllm_omp_threads)
     svc = None

@@ -243,3 +243,47 @@ async def test_a_forwarded_turn_whose_stream_goes_silent_runs_where_it_arrived_a
     assert r.headers["x-rollout-owner"] == r.headers["x-rollout-replica"] != owner
     assert r.json()["choices"][0]["message"]["rollout"]["replayed"] is False
     _check_trajectories(quiet_url, state)
+
+
+async def test_a_forwarded_stream_that_goes_silent_after_deltas_ends_with_a_retryable_error(service, quiet_url):
+    """Part of a streamed answer reached the client when the owner's stream went silent: it cannot be
+    run again under the client's feet, so the stream ends with a 503 forward_lost error event; the
+    same request sent again continues the rollout exactly (one segment, turn 2)."""
+    import json
+
+    engines = _engine_handles(service)
+    rid = f"quiet-stream-{uuid.uuid4().hex[:8]}"
+    state = _new_state([rid])
+    async with httpx.AsyncClient(base_url=quiet_url, timeout=120) as client:
+        owner, msg = await _turn(client, rid, state[rid]["messages"], seed=1)
+        state[rid]["calls"].append(msg)
+        msgs = state[rid]["messages"]
+        msgs += [{"role": "assistant", "content": msg["content"] or ""}, {"role": "user", "content": "a long story"}]
+        body = {"model": MODEL, "messages": msgs, "max_tokens": 400, "ignore_eos": True, "seed": 2, "stream": True}
+        error = None
+        for _ in range(12):  # until the call arrives at the replica that does not own the rollout
+            async with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": rid}) as r:
+                assert r.status_code == 200
+                if r.headers["x-rollout-replica"] == owner:
+                    continue  # ran by the owner itself: leaving aborts it, nothing is stored
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break  # the stream starts on the call's first generated tokens: now the engines stop
+                ray.get([e.pause.remote("keep") for e in engines], timeout=60)
+                try:
+                    async for line in lines:
+                        if line.startswith("data: {") and '"error"' in line:
+                            error = json.loads(line[len("data: "):])["error"]
+                finally:
+                    ray.get([e.resume.remote() for e in engines], timeout=60)
+                break
+        assert error is not None, "no forwarded stream, or it ended without an error"
+        assert error["code"] == "forward_lost" and error["type"] == "service_unavailable", error
+        r = await client.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4},
+                              headers={"X-Session-ID": rid})
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert message["rollout"]["turn"] == 2 and message["rollout"]["monotonic"], message["rollout"]
+        state[rid]["calls"].append(message)
+    _check_trajectories(quiet_url, state)
