@@ -17,6 +17,7 @@ from refit_helpers import perturbed, prompts, running_controller, split_at_refit
 pytestmark = pytest.mark.engine
 
 PER_ENGINE = 3
+GEN_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +55,19 @@ async def test_collective_refit_reaches_every_engine_mid_generation_exactly(
 ):
     before = await controller.weights_checksums.remote()
     assert len(before) == 2 and before[0] == before[1]
-    running = []
-    for k, engine in enumerate(engines):
-        tasks, _ = await start_rollouts(engine, prompts(tiny_tokenizer, f"E{k}", PER_ENGINE), seed0=100 * k,
-                                        max_tokens=96)
-        running += tasks
+    # Both engines' rollouts start together and are long enough to be mid-generation when the refit
+    # pauses them, also on a slow machine (96 tokens once finished on one engine while the other's
+    # were still starting: 3 in flight instead of 6).
+    started = await asyncio.gather(*[
+        start_rollouts(engine, prompts(tiny_tokenizer, f"E{k}", PER_ENGINE), seed0=100 * k, max_tokens=GEN_TOKENS)
+        for k, engine in enumerate(engines)])
+    running = [task for tasks, _ in started for task in tasks]
 
     report = await asyncio.to_thread(client.refit, "1", perturbed(base_weights, seed=1))
     assert report["ok"] and report["requests_in_flight"] == 2 * PER_ENGINE and report["requests_aborted"] == 0
     for _, _, last in await asyncio.gather(*running):
         assert last.finish_reason == "length"
-        split_at_refit(last.weight_versions, "0", "1", 96)
+        split_at_refit(last.weight_versions, "0", "1", GEN_TOKENS)
 
     after = await controller.weights_checksums.remote()
     assert after[0] == after[1] != before[0]
