@@ -12,8 +12,9 @@ the body, or a proxy started without the header setting) is forwarded once, thro
 deployment's own handle with the rollout id as session id, to the replica that owns it; the
 answer is still formatted here. A forwarded turn the owner has not accepted within
 ``service.forward_accept_timeout_s``, or whose stream then stays silent that long (the owner sends
-a heartbeat every ``service.forward_heartbeat_s`` while a turn is quiet), is cancelled and run here. Reads (rollout, view, tokenize)
-and deletes run on the replica that received them, from the store. Correctness never depends on
+a heartbeat every ``service.forward_heartbeat_s`` while a turn is quiet), is cancelled and run
+here. Reads (rollout, view, tokenize) and deletes run on the replica that received them, from the
+store. Correctness never depends on
 the routing: history is in the store and appends are conditional on the turn counter; routing
 keeps the per-replica state cache hot and concurrent calls of one rollout on one replica.
 
