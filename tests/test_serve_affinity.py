@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import uuid
 
 import httpx
@@ -190,28 +191,47 @@ def _engine_handles(service):
     return ray.get(get_fleet(fleet_name(service.config.service.instance_name)).view.remote()).handles()
 
 
+@contextlib.contextmanager
+def _engines_paused(engines):
+    """Every engine paused (keep: nothing aborted, no token generated) until the block ends."""
+    ray.get([e.pause.remote("keep") for e in engines], timeout=60)
+    try:
+        yield
+    finally:
+        ray.get([e.resume.remote() for e in engines], timeout=60)
+
+
+async def _started_rollout(client, prefix: str):
+    """A new rollout with its first turn stored (X-Rollout-Id): its id, state and owning replica."""
+    rid = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    state = _new_state([rid])
+    owner, msg = await _turn(client, rid, state[rid]["messages"], seed=1)
+    state[rid]["calls"].append(msg)
+    return rid, state, owner
+
+
+def _next_messages(state, rid: str, user: str) -> list[dict]:
+    """The rollout's messages with its last answer and a new user message appended."""
+    msgs = state[rid]["messages"]
+    msgs += [{"role": "assistant", "content": state[rid]["calls"][-1]["content"] or ""},
+             {"role": "user", "content": user}]
+    return msgs
+
+
 async def _forwarded_turn_while_paused(service, url: str, pause_s: float, attempts: int = 12):
     """A rollout's next turns, sent with X-Session-ID while every engine is paused (keep) for
     ``pause_s``, until one arrives at a replica that does not own the rollout and is forwarded (each
     arrives at either replica); returns that response and the rollout's state (checked by the caller)."""
     engines = _engine_handles(service)
-    rid = f"quiet-{uuid.uuid4().hex[:8]}"
-    state = _new_state([rid])
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        owner, msg = await _turn(client, rid, state[rid]["messages"], seed=1)
-        state[rid]["calls"].append(msg)
+        rid, state, owner = await _started_rollout(client, "quiet")
         for turn in range(2, 2 + attempts):
-            msgs = state[rid]["messages"]
-            msgs += [{"role": "assistant", "content": state[rid]["calls"][-1]["content"] or ""},
-                     {"role": "user", "content": f"turn {turn}"}]
-            body = {"model": MODEL, "messages": msgs, "max_tokens": 4, "seed": turn}
-            ray.get([e.pause.remote("keep") for e in engines], timeout=60)
-            try:
+            body = {"model": MODEL, "messages": _next_messages(state, rid, f"turn {turn}"), "max_tokens": 4,
+                    "seed": turn}
+            with _engines_paused(engines):
                 call = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": rid}))
                 await asyncio.sleep(pause_s)
                 assert not call.done(), "a turn was answered while every engine was paused"
-            finally:
-                ray.get([e.resume.remote() for e in engines], timeout=60)
             r = await call
             assert r.status_code == 200, r.text
             message = r.json()["choices"][0]["message"]
@@ -252,14 +272,10 @@ async def test_a_forwarded_stream_that_goes_silent_after_deltas_ends_with_a_retr
     import json
 
     engines = _engine_handles(service)
-    rid = f"quiet-stream-{uuid.uuid4().hex[:8]}"
-    state = _new_state([rid])
     async with httpx.AsyncClient(base_url=quiet_url, timeout=120) as client:
-        owner, msg = await _turn(client, rid, state[rid]["messages"], seed=1)
-        state[rid]["calls"].append(msg)
-        msgs = state[rid]["messages"]
-        msgs += [{"role": "assistant", "content": msg["content"] or ""}, {"role": "user", "content": "a long story"}]
-        body = {"model": MODEL, "messages": msgs, "max_tokens": 400, "ignore_eos": True, "seed": 2, "stream": True}
+        rid, state, owner = await _started_rollout(client, "quiet-stream")
+        body = {"model": MODEL, "messages": _next_messages(state, rid, "a long story"), "max_tokens": 400,
+                "ignore_eos": True, "seed": 2, "stream": True}
         error = None
         for _ in range(12):  # until the call arrives at the replica that does not own the rollout
             async with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": rid}) as r:
@@ -270,13 +286,10 @@ async def test_a_forwarded_stream_that_goes_silent_after_deltas_ends_with_a_retr
                 async for line in lines:
                     if line.startswith("data: {"):
                         break  # the stream starts on the call's first generated tokens: now the engines stop
-                ray.get([e.pause.remote("keep") for e in engines], timeout=60)
-                try:
+                with _engines_paused(engines):
                     async for line in lines:
                         if line.startswith("data: {") and '"error"' in line:
                             error = json.loads(line[len("data: "):])["error"]
-                finally:
-                    ray.get([e.resume.remote() for e in engines], timeout=60)
                 break
         assert error is not None, "no forwarded stream, or it ended without an error"
         assert error["code"] == "forward_lost" and error["type"] == "service_unavailable", error
