@@ -1,4 +1,4 @@
-"""Session-wide real components: the tiny model, one local Ray, one vLLM engine actor.
+"""Session-wide real components: the tiny model, one local Ray, the service (one vLLM engine), a fleet rig.
 
 Started once per test session (engine start-up is ~20 s on 2 cores) and shared by every test that
 needs them. Nothing here is a mock.
@@ -56,27 +56,53 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
-def engine_config(tiny_model_dir):
-    from rollout_service.config import EngineConfig
+def engine_actor(service):
+    """The session service's vLLM engine actor (its fleet's one engine), called directly.
 
-    return EngineConfig(model=str(tiny_model_dir), cpu_kvcache_space_gib=TEST_KV_GIB)
+    Not an engine of its own: one engine start (~20-30 s) and ~2 GiB less per session, and no
+    second idle engine competing with every later test for the 2 cores. The tests that use it
+    leave it as they found it: base weights, version "0", resumed (refits go to other engines).
+    """
+    import ray
+
+    from rollout_service.fleet.fleet import fleet_name, get_fleet
+
+    fleet = get_fleet(fleet_name(service.config.service.instance_name))
+    (actor,) = ray.get(fleet.view.remote(), timeout=60).handles()
+    return actor
+
+
+# Session resources released right after the last test that uses them, not at session end: an
+# idle engine left running competes with every later test for the 2 cores (and holds ~2 GiB).
+_RELEASE_AFTER: dict[str, list] = {}  # nodeid of the last user -> closers
+
+
+def release_after_last_user(request, fixture: str, close) -> None:
+    users = [item.nodeid for item in request.session.items if fixture in getattr(item, "fixturenames", ())]
+    if users:
+        _RELEASE_AFTER.setdefault(users[-1], []).append(close)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own teardown of the test's module fixtures
+def pytest_runtest_teardown(item, nextitem):
+    for close in _RELEASE_AFTER.pop(item.nodeid, ()):
+        close()
 
 
 @pytest.fixture(scope="session")
-def engine_actor(ray_session, engine_config):
-    """One real vLLM engine replica actor, started once."""
-    import ray
+def refit_controller(ray_session, tiny_model_dir, request):
+    """One engine (the default parity config) behind a standalone RefitController, for the refit
+    modules that need an engine of their own (tests/test_refit.py, then test_refit_async_trainer.py);
+    stopped after the last of them."""
+    import contextlib
 
-    from rollout_service.engine.replica import create_engine_actor
+    from refit_helpers import running_controller
 
-    actor = create_engine_actor(engine_config, 0)
-    ray.get(actor.start.remote(), timeout=300)
+    stack = contextlib.ExitStack()
+    actor = stack.enter_context(running_controller(tiny_model_dir))
+    release_after_last_user(request, "refit_controller", stack.close)
     yield actor
-    try:
-        ray.get(actor.shutdown.remote(), timeout=30)
-    except Exception:
-        pass
-    ray.kill(actor)
+    stack.close()
 
 
 def _free_port() -> int:

@@ -1,8 +1,9 @@
 """In-flight weight refit on a real vLLM engine, gloo on CPU: keep-mode, versions, parity, safety.
 
-One engine (default parity config) behind a RefitController actor for the whole module; the
-trainer side is a TrainerClient in this process (rank 0 of the gloo group). Weight versions
-advance monotonically through the module, so the tests run in file order.
+One engine (default parity config) behind a RefitController actor (``refit_controller``, which
+tests/test_refit_async_trainer.py uses next); the trainer side is a TrainerClient in this process
+(rank 0 of the gloo group). Weight versions advance monotonically through the module, so the
+tests run in file order; the first test needs the engine fresh (version "0", base weights).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import ray
 
 from engine_helpers import hf_sampled_logprobs, load_hf_model, stream_generation
-from refit_helpers import N_ROLLOUTS, perturbed, prompts, running_controller, split_at_refit, start_rollouts
+from refit_helpers import N_ROLLOUTS, perturbed, prompts, split_at_refit, start_rollouts
 
 pytestmark = pytest.mark.engine
 
@@ -23,9 +24,8 @@ pytestmark = pytest.mark.engine
 
 # --------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def controller(ray_session, tiny_model_dir):
-    with running_controller(tiny_model_dir) as actor:
-        yield actor
+def controller(refit_controller):
+    return refit_controller
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,10 @@
 The rank layout, the broadcast to several receivers with every receive posted up front, and the
 all-or-nothing rules (no engine loads unless every engine staged everything; an aborted transfer
 leaves every engine on its old weights) only show with more than one engine.
+
+The engines are the session's two-engine fleet rig (tests/fleet_helpers.py; the fleet fault tests
+leave it healed, both engines on one version), so versions are named for this module, and the
+first test starts from whatever version the rig serves.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import pytest
 import ray
 
-from refit_helpers import perturbed, prompts, running_controller, split_at_refit, start_rollouts
+from refit_helpers import perturbed, prompts, split_at_refit, start_rollouts
 
 pytestmark = pytest.mark.engine
 
@@ -21,14 +25,14 @@ GEN_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def controller(ray_session, tiny_model_dir):
-    with running_controller(tiny_model_dir, num_engines=2, num_cpus_per_engine=0) as actor:
-        yield actor
+async def controller(fleet_rig):
+    await fleet_rig.wait_serving(2)
+    return fleet_rig.controller
 
 
 @pytest.fixture(scope="module")
-def engines(controller):
-    engines = ray.get(controller.get_engines.remote())
+async def engines(fleet_rig, controller):
+    engines = (await fleet_rig.view()).handles()
     assert len(engines) == 2
     return engines
 
@@ -55,6 +59,7 @@ async def test_collective_refit_reaches_every_engine_mid_generation_exactly(
 ):
     before = await controller.weights_checksums.remote()
     assert len(before) == 2 and before[0] == before[1]
+    v0 = await controller.current_version.remote()
     # Both engines' rollouts start together and are long enough to be mid-generation when the refit
     # pauses them, also on a slow machine (96 tokens once finished on one engine while the other's
     # were still starting: 3 in flight instead of 6).
@@ -63,18 +68,18 @@ async def test_collective_refit_reaches_every_engine_mid_generation_exactly(
         for k, engine in enumerate(engines)])
     running = [task for tasks, _ in started for task in tasks]
 
-    report = await asyncio.to_thread(client.refit, "1", perturbed(base_weights, seed=1))
+    report = await asyncio.to_thread(client.refit, "multi-1", perturbed(base_weights, seed=1))
     assert report["ok"] and report["requests_in_flight"] == 2 * PER_ENGINE and report["requests_aborted"] == 0
     for _, _, last in await asyncio.gather(*running):
         assert last.finish_reason == "length"
-        split_at_refit(last.weight_versions, "0", "1", GEN_TOKENS)
+        split_at_refit(last.weight_versions, v0, "multi-1", GEN_TOKENS)
 
     after = await controller.weights_checksums.remote()
     assert after[0] == after[1] != before[0]
     # The same state dict through the object store gives the same bytes on both engines.
-    again = await asyncio.to_thread(client.refit, "2", perturbed(base_weights, seed=1), transport="object_store")
+    again = await asyncio.to_thread(client.refit, "multi-2", perturbed(base_weights, seed=1), transport="object_store")
     assert again["ok"] and await controller.weights_checksums.remote() == after
-    assert await asyncio.gather(*[e.weight_version.remote() for e in engines]) == ["2", "2"]
+    assert await asyncio.gather(*[e.weight_version.remote() for e in engines]) == ["multi-2", "multi-2"]
 
 
 async def test_aborted_transfer_leaves_every_engine_on_its_old_weights(controller, engines, client, base_weights):
@@ -87,13 +92,13 @@ async def test_aborted_transfer_leaves_every_engine_on_its_old_weights(controlle
             raise RuntimeError("injected: trainer died after bucket 1")
 
     with pytest.raises(RefitFailed) as err:
-        await asyncio.to_thread(client.refit, "3", perturbed(base_weights, seed=3), on_bucket=fail_after_second_bucket)
+        await asyncio.to_thread(client.refit, "multi-3", perturbed(base_weights, seed=3), on_bucket=fail_after_second_bucket)
     assert err.value.report["failed_step"] == "transfer" and "trainer aborted the transfer" in err.value.report["error"]
     assert await controller.weights_checksums.remote() == before
-    assert await asyncio.gather(*[e.weight_version.remote() for e in engines]) == ["2", "2"]
+    assert await asyncio.gather(*[e.weight_version.remote() for e in engines]) == ["multi-2", "multi-2"]
     assert not any(await asyncio.gather(*[e.is_paused.remote() for e in engines]))
     # The three-rank group is still in step.
-    assert (await asyncio.to_thread(client.refit, "3", perturbed(base_weights, seed=3)))["ok"]
+    assert (await asyncio.to_thread(client.refit, "multi-3", perturbed(base_weights, seed=3)))["ok"]
     final = await controller.weights_checksums.remote()
     assert final[0] == final[1] != before[0]
 
@@ -116,7 +121,7 @@ async def test_a_trainer_that_stalls_mid_transfer_times_out_and_every_engine_res
     t0 = time.monotonic()
     with pytest.raises(RefitFailed) as err:
         await asyncio.to_thread(
-            client.refit, "4", perturbed(base_weights, seed=4), on_bucket=stall_after_first_bucket, timeout_s=3
+            client.refit, "multi-4", perturbed(base_weights, seed=4), on_bucket=stall_after_first_bucket, timeout_s=3
         )
     elapsed = time.monotonic() - t0
     report = err.value.report
@@ -128,6 +133,6 @@ async def test_a_trainer_that_stalls_mid_transfer_times_out_and_every_engine_res
     assert not any(await asyncio.gather(*[e.is_paused.remote() for e in engines]))
     # The group is out of step: both sides forgot it, and say so instead of hanging.
     with pytest.raises(WeightSyncNotInitialized):
-        client.refit("4", perturbed(base_weights, seed=4))
+        client.refit("multi-4", perturbed(base_weights, seed=4))
     client.init_weight_sync()
-    assert (await asyncio.to_thread(client.refit, "4", perturbed(base_weights, seed=4)))["ok"]
+    assert (await asyncio.to_thread(client.refit, "multi-4", perturbed(base_weights, seed=4)))["ok"]

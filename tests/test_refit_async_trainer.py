@@ -2,12 +2,14 @@
 
 The trainer is an async Ray actor (the usual shape of an async RL trainer) holding a
 ``TrainerClient``; a ticker coroutine in the same actor records the longest gap between its ticks
-while the client joins the gloo group and refits a real vLLM engine (one RefitController for the
-module). The awaitable methods must give the sync path's results and exceptions, never call
+while the client joins the gloo group and refits a real vLLM engine (one RefitController). The awaitable methods must give the sync path's results and exceptions, never call
 ``ray.get`` (Ray's own "blocking ray.get inside async actor" flag stays down), and leave the loop
 free: the largest tick gap stays well under the refit's duration. A last test runs the sync
 ``refit`` on the loop as the control: the same bytes reach the engine, and the ticker sees the
 loop blocked for the whole refit. Weight versions advance through the module: tests run in order.
+The controller and its engine are tests/test_refit.py's (``refit_controller``: one engine start
+for both modules), so this module's versions are named for it and it starts from whatever weights
+that module left.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 import ray
 from ray import cloudpickle
 
-from refit_helpers import perturbed, running_controller
+from refit_helpers import perturbed
 
 pytestmark = pytest.mark.engine
 
@@ -140,9 +142,8 @@ def _ray_get_used_in_async_actor() -> bool:
 
 # --------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def controller(ray_session, tiny_model_dir):
-    with running_controller(tiny_model_dir) as actor:
-        yield actor
+def controller(refit_controller):
+    return refit_controller
 
 
 @pytest.fixture(scope="module")
@@ -176,16 +177,16 @@ async def test_async_init_and_refits_leave_the_trainer_loop_free(controller, tra
     assert init["result"]["world_size"] == 2 and init["result"]["worker_ranks"] == [1]
     _free_loop(init)
 
-    out = await trainer.refit.remote("1", perturbed(base_weights, seed=1))
+    out = await trainer.refit.remote("async-1", perturbed(base_weights, seed=1))
     assert out["error"] is None, out["error"]
     report = out["result"]
-    assert report["ok"] and report["version"] == "1" and report["transport"] == "collective"
+    assert report["ok"] and report["version"] == "async-1" and report["transport"] == "collective"
     assert report["requests_aborted"] == 0 and report["trainer_send_s"] >= HOLD_S
     _free_loop(out, longer_than=HOLD_S)
     c1 = await controller.weights_checksums.remote()
     assert c1 != c0
 
-    out = await trainer.refit.remote("2", perturbed(base_weights, seed=2), transport="object_store")
+    out = await trainer.refit.remote("async-2", perturbed(base_weights, seed=2), transport="object_store")
     assert out["error"] is None, out["error"]
     assert out["result"]["ok"] and out["result"]["transport"] == "object_store"
     _free_loop(out)
@@ -194,7 +195,7 @@ async def test_async_init_and_refits_leave_the_trainer_loop_free(controller, tra
 
     queries = await trainer.queries.remote()
     stats, checksums, rollout = queries["result"]
-    assert stats["weight_version"] == "2" and stats["last_refit"]["version"] == "2"
+    assert stats["weight_version"] == "async-2" and stats["last_refit"]["version"] == "async-2"
     assert checksums == c2
     assert isinstance(rollout, RuntimeError) and "redis_url" in str(rollout)  # this controller has no store
     _free_loop(queries)
@@ -207,37 +208,37 @@ async def test_refused_refits_raise_the_controllers_exception_from_the_await(con
     before = await controller.weights_checksums.remote()
 
     # Object store: the controller refuses a reused version; the await raises the ValueError itself.
-    out = await trainer.refit.remote("1", w3, transport="object_store")
+    out = await trainer.refit.remote("async-1", w3, transport="object_store")
     assert type(out["error"]) is ValueError and "already used" in str(out["error"]), out["error"]
     _free_loop(out)
 
     # Collective: the refusal arrives while the trainer waits for the workers to join (the poll);
     # the pending handshake leaves the group out of step, so the client forgets it.
-    out = await trainer.refit.remote("2", w3, hold=False)
+    out = await trainer.refit.remote("async-2", w3, hold=False)
     assert type(out["error"]) is ValueError and "already used" in str(out["error"]), out["error"]
     _free_loop(out)
     # Freeing that group (its handshake still pending) must not stall the loop for the group's timeout.
     _free_loop(await trainer.collect_garbage.remote())
-    out = await trainer.refit.remote("3", w3, hold=False)
+    out = await trainer.refit.remote("async-3", w3, hold=False)
     assert type(out["error"]) is WeightSyncNotInitialized, out["error"]
     _free_loop(out)
     assert await controller.weights_checksums.remote() == before
-    assert await controller.current_version.remote() == "2"
+    assert await controller.current_version.remote() == "async-2"
 
     init = await trainer.init.remote()
     assert init["error"] is None, init["error"]
     _free_loop(init)
-    overlap = await trainer.overlapping.remote("3", w3, "4")
+    overlap = await trainer.overlapping.remote("async-3", w3, "async-4")
     for who in ("same_client", "other_client"):  # the client's own lock, then the controller's
         assert type(overlap[who]["error"]) is RefitInProgress, (who, overlap[who]["error"])
         _free_loop(overlap[who])
-    assert overlap["first"]["ok"] and overlap["first"]["version"] == "3"
+    assert overlap["first"]["ok"] and overlap["first"]["version"] == "async-3"
     assert await controller.weights_checksums.remote() != before
 
-    out = await trainer.cancelled.remote("4", perturbed(base_weights, seed=4))
+    out = await trainer.cancelled.remote("async-4", perturbed(base_weights, seed=4))
     assert isinstance(out["timed_out"]["error"], asyncio.TimeoutError)
     assert type(out["busy"]["error"]) is RefitInProgress
-    assert out["last_refit"]["ok"] and out["version"] == "4"  # the cancelled await's refit completed
+    assert out["last_refit"]["ok"] and out["version"] == "async-4"  # the cancelled await's refit completed
     _free_loop(out["timed_out"])
     _free_loop(out["busy"])
 
@@ -245,14 +246,14 @@ async def test_refused_refits_raise_the_controllers_exception_from_the_await(con
 async def test_sync_refit_on_the_loop_blocks_it_and_loads_the_same_bytes(controller, trainer, base_weights):
     """The control (run last: it sets Ray's ray.get flag): the sync path blocks the loop for the whole
     refit, and loads the same bytes as the async path did for the same weights (version 1's)."""
-    out = await trainer.refit.remote("5", perturbed(base_weights, seed=1))  # async, version 1's weights
+    out = await trainer.refit.remote("async-5", perturbed(base_weights, seed=1))  # async, version 1's weights
     assert out["error"] is None and out["result"]["ok"]
     _free_loop(out)
     c1 = await controller.weights_checksums.remote()
-    await trainer.refit.remote("6", perturbed(base_weights, seed=6), transport="object_store")
+    await trainer.refit.remote("async-6", perturbed(base_weights, seed=6), transport="object_store")
     assert await controller.weights_checksums.remote() != c1
 
-    sync = await trainer.blocking_sync_refit.remote("7", perturbed(base_weights, seed=1))
+    sync = await trainer.blocking_sync_refit.remote("async-7", perturbed(base_weights, seed=1))
     assert sync["error"] is None and sync["result"]["ok"] and sync["result"]["transport"] == "collective"
     print(f"sync refit on the loop: {sync['seconds']:.2f}s, max tick gap {sync['max_gap']:.2f}s")
     assert sync["max_gap"] >= HOLD_S and sync["ray_get_used"]
