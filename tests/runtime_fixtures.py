@@ -13,9 +13,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
+import os
+
 from rollout_service.runtime import apply_local_env
 
 apply_local_env()
+# Ray's processes export their metrics every 10 s by default; the session's Ray every 2 s, so that
+# tests/test_metrics.py waits for a settled scrape a fifth as long (the raylet and every worker
+# read this when the session's Ray starts).
+os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 # KV cache of every test engine (the tiny model needs 1 KiB per token: 128 MiB holds 131k tokens,
 # twice max_num_seqs x max_model_len). vLLM touches all of it at start: at the 1 GiB default, the

@@ -11,6 +11,7 @@ longer than that, and the run's totals are polled for (bounded).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -34,7 +35,8 @@ from rollout_service.metrics import (
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deployments" / "grafana" / "rollout-service.json"
 DOCS = ROOT / "docs" / "observability.md"
-EXPORT_INTERVAL_S = 10.0  # Ray's metrics_report_interval_ms
+# Ray's metrics_report_interval_ms in this session (tests/runtime_fixtures.py sets it before Ray starts)
+EXPORT_INTERVAL_S = int(os.environ.get("RAY_metrics_report_interval_ms", "10000")) / 1000
 CHAT = "/v1/chat/completions"
 
 
