@@ -21,7 +21,7 @@ from refit_helpers import perturbed, prompts, split_at_refit, start_rollouts
 pytestmark = pytest.mark.engine
 
 PER_ENGINE = 3
-GEN_TOKENS = 256
+GEN_TOKENS = 640  # of max_model_len 1024, after a ~20-token prompt
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +60,16 @@ async def test_collective_refit_reaches_every_engine_mid_generation_exactly(
     before = await controller.weights_checksums.remote()
     assert len(before) == 2 and before[0] == before[1]
     v0 = await controller.current_version.remote()
+    w1 = perturbed(base_weights, seed=1)  # before the rollouts: ~1 s on a loaded machine
     # Both engines' rollouts start together and are long enough to be mid-generation when the refit
-    # pauses them, also on a slow machine (96 tokens once finished on one engine while the other's
-    # were still starting: 3 in flight instead of 6).
+    # pauses them, also on a slow machine (96, then 256 tokens once finished on one engine before
+    # the refit counted them: 3 in flight instead of 6).
     started = await asyncio.gather(*[
         start_rollouts(engine, prompts(tiny_tokenizer, f"E{k}", PER_ENGINE), seed0=100 * k, max_tokens=GEN_TOKENS)
         for k, engine in enumerate(engines)])
     running = [task for tasks, _ in started for task in tasks]
 
-    report = await asyncio.to_thread(client.refit, "multi-1", perturbed(base_weights, seed=1))
+    report = await asyncio.to_thread(client.refit, "multi-1", w1)
     assert report["ok"] and report["requests_in_flight"] == 2 * PER_ENGINE and report["requests_aborted"] == 0
     for _, _, last in await asyncio.gather(*running):
         assert last.finish_reason == "length"
