@@ -1,19 +1,19 @@
-"""Session-wide real components: the tiny model, one local Ray, the service (one vLLM engine), a fleet rig.
+"""Session-wide real components: the tiny model, one local Ray, the service (one vLLM engine), a
+two-engine fleet rig, a one-engine refit controller.
 
 Started once per test session (engine start-up is ~20 s on 2 cores) and shared by every test that
-needs them. Nothing here is a mock.
+needs them; the refit controller is stopped after its last user. Nothing here is a mock.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
-
-import os
 
 from rollout_service.runtime import apply_local_env
 
@@ -98,8 +98,8 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.fixture(scope="session")
 def refit_controller(ray_session, tiny_model_dir, request):
     """One engine (the default parity config) behind a standalone RefitController, for the refit
-    modules that need an engine of their own (tests/test_refit.py, then test_refit_async_trainer.py);
-    stopped after the last of them."""
+    modules that need an engine of their own (test_refit.py, test_refit_async_trainer.py, and
+    test_refit_nccl_lease.py's stand-in controller over its fleet); stopped after the last of them."""
     import contextlib
 
     from refit_helpers import running_controller
