@@ -393,6 +393,33 @@ ROWS = _rows() + [
           param="temperature"), id="chat-temperature-nan"),
     p(Bad("chat", raw=b'{"model":"tiny-qwen3","messages":[{"role":"user","content":"x"}],"top_p":Infinity}',
           param="top_p"), id="chat-top-p-infinity"),
+    # ---------------------------------------------------------------- fields the service does not honour
+    # Unknown fields are accepted, but these (OpenAI's and vLLM's) would be answered as if not sent:
+    # another distribution, prompt or output than asked for (each was a silent 200).
+    *[p(Bad(route, {name: value}, param=name, code="unsupported_parameter"), id=f"{route}-unhonoured-{name}")
+      for route in ("chat", "responses", "completions")
+      for name, value in (("logit_bias", {"9707": 5}), ("min_tokens", 1), ("allowed_token_ids", [9707]),
+                          ("bad_words", ["hello"]), ("best_of", 2), ("use_beam_search", True),
+                          ("structured_outputs", {"regex": "[a-z]+"}), ("guided_regex", "[a-z"),
+                          ("truncate_prompt_tokens", 2), ("prompt_logprobs", 1), ("priority", 3),
+                          ("cache_salt", "tenant-a"), ("vllm_xargs", {"a": 1}), ("thinking_token_budget", 8),
+                          ("include_reasoning", False), ("spaces_between_special_tokens", False))],
+    *[p(Bad("chat", {name: value}, param=name, code="unsupported_parameter"), id=f"chat-unhonoured-{name}")
+      for name, value in (("chat_template", "{{ messages }}"), ("add_generation_prompt", False),
+                          ("continue_final_message", True), ("echo", True), ("documents", [{"title": "t", "text": "x"}]),
+                          ("functions", [{"name": "lookup", "parameters": {}}]), ("function_call", "auto"),
+                          ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
+                          ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}))],
+    *[p(Bad("completions", {name: value}, param=name, code="unsupported_parameter"), id=f"completions-unhonoured-{name}")
+      for name, value in (("echo", True), ("echo", 1), ("suffix", "x"), ("response_format", {"type": "json_object"}))],
+    *[p(Bad("responses", {name: value}, param=name, code="unsupported_parameter"), id=f"responses-unhonoured-{name}")
+      for name, value in (("background", True), ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}),
+                          ("truncation", "auto"), ("max_tool_calls", 2), ("top_logprobs", 3),
+                          ("include", ["message.output_text.logprobs"]), ("include", ["file_search_call.results"]))],
+    p(Bad("responses", {"include": "reasoning.encrypted_content"}, param="include"), id="responses-include-not-a-list"),
+    *[p(Bad("chat", {"reasoning_effort": v}, param="reasoning_effort"), id=f"chat-reasoning-effort-{label}")
+      for label, v in (("unknown", "extreme"), ("int", 1))],
+    p(Bad("responses", {"reasoning": {"effort": "extreme"}}, param="reasoning.effort"), id="responses-reasoning-effort-unknown"),
     # ---------------------------------------------------------------- max tokens: types, ranges, context
     *[p(Bad(route, {name: value}, param=param, code=code), id=f"{route}-{name}-{label}")
       for route, name in (("chat", "max_tokens"), ("chat", "max_completion_tokens"), ("responses", "max_output_tokens"),
@@ -484,6 +511,48 @@ def test_the_base_requests_are_valid(http, rollout):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [VOCAB - 1], "max_tokens": 1,
                                            "stop_token_ids": [VOCAB - 1]})
     assert r.status_code == 200, r.text  # the top of the vocabulary is inside it
+
+
+INERT = {  # the refused fields' defaults, as clients that spell every field send them: accepted
+    "chat": {"logit_bias": {}, "min_tokens": 0, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0,
+             "prompt_logprobs": None, "priority": 0, "include_reasoning": True, "spaces_between_special_tokens": True,
+             "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False,
+             "echo": False, "chat_template": None, "functions": [], "modalities": ["text"], "bad_words": [],
+             "user": "u-1", "store": False, "service_tier": "auto", "request_id": "r-1"},
+    "responses": {"background": False, "truncation": "disabled", "top_logprobs": 0, "include": ["reasoning.encrypted_content"],
+                  "reasoning": {"summary": "auto"}, "priority": 0, "store": False, "user": "u-1"},
+    "completions": {"echo": False, "suffix": None, "best_of": 1, "min_tokens": 0, "logit_bias": None, "user": "u-1"},
+}
+
+
+@pytest.mark.parametrize("route", sorted(INERT))
+def test_refused_fields_at_their_defaults_are_accepted(http, route):
+    r = _send(http, Bad(route, INERT[route], headers=NO_ROLLOUT), Rollout("unused", "", [], [], []))
+    assert r.status_code == 200, r.text
+
+
+def test_reasoning_effort_reaches_the_chat_template_as_vllm_sends_it(http, rollout):
+    """``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) are template kwargs, as in
+    vLLM's server: "none" turns thinking off (the template's empty think block ends the prompt), and
+    an explicit ``enable_thinking`` wins."""
+    think_off = http.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                             "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    think_on = http.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+    assert think_off != think_on
+    for route, fields, expected in (
+        ("chat", {"reasoning_effort": "none"}, think_off),
+        ("chat", {"reasoning_effort": "high"}, think_on),
+        ("chat", {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, think_on),
+        ("responses", {"reasoning": {"effort": "none"}}, think_off),
+        ("responses", {"reasoning": {"effort": "low", "summary": "auto"}}, think_on),
+    ):
+        key = "messages" if route == "chat" else "input"
+        body = {**_body(Bad(route), rollout), key: [{"role": "user", "content": "hi"}], **fields}
+        r = http.post(ROUTES[route][1], json=body, headers={"X-Rollout-Id": f"effort-{uuid.uuid4().hex[:8]}"})
+        assert r.status_code == 200, r.text
+        rid = r.request.headers["x-rollout-id"]
+        prompt = http.get(f"/v1/rollouts/{rid}").json()["segments"][0]["token_ids"][:len(expected)]
+        assert prompt == expected, (route, fields)
 
 
 def test_an_edited_history_under_reject_is_409_and_changes_nothing(http, rollout):

@@ -7,7 +7,7 @@ fields we do read are typed strictly.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, WithJsonSchema, field_validator, model_validator
 
@@ -205,6 +205,135 @@ def response_format_dict(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat |
     return fmt.model_dump(by_alias=True, exclude_none=True)
 
 
+# ----------------------------------------------------------------------------- fields not honoured
+# Fields of OpenAI's or vLLM's request models that this service does not honour. Unknown fields are
+# accepted (agents send vendor extras), but one of these with a value other than its inert default
+# would be answered as if it had not been sent: another distribution, prompt or output than the one
+# asked for. That is a 400 naming the field (``unsupported_parameter``), before anything is stored.
+_SAMPLER = "changes the sampling distribution, so the returned logprobs would not be the policy's own"
+_PROMPT = "the prompt is the rollout's own tokens, built by the service's chat template from the messages"
+_OUTPUT = "the service does not return it"
+_ENGINE = "the service schedules and caches engine requests itself"
+_STRUCTURED = "use response_format (chat) / text.format (Responses) or tool_choice for constrained output"
+
+
+def _rule(why: str, *inert: Any) -> tuple[tuple[Any, ...], str]:
+    return inert, why
+
+
+_COMMON_UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logit_bias": _rule(_SAMPLER, {}),
+    "min_tokens": _rule(_SAMPLER, 0),
+    "allowed_token_ids": _rule(_SAMPLER),
+    "bad_words": _rule(_SAMPLER, []),
+    "thinking_token_budget": _rule(_SAMPLER),
+    "logits_processors": _rule(_SAMPLER, []),
+    "vllm_xargs": _rule(_SAMPLER, {}),
+    "repetition_detection": _rule("it stops generations early, unlike the policy", ),
+    "watermarking": _rule(_SAMPLER, False),
+    "best_of": _rule("one sample per call (each sample of a rollout is its own rollout id)", 1),
+    "use_beam_search": _rule("beam search is not sampling from the policy", False),
+    "length_penalty": _rule("beam search is not sampling from the policy", 1, 1.0),
+    "structured_outputs": _rule(_STRUCTURED),
+    "guided_json": _rule(_STRUCTURED),
+    "guided_regex": _rule(_STRUCTURED),
+    "guided_choice": _rule(_STRUCTURED),
+    "guided_grammar": _rule(_STRUCTURED),
+    "structural_tag": _rule(_STRUCTURED),
+    "truncate_prompt_tokens": _rule(_PROMPT),
+    "prompt_logprobs": _rule(_OUTPUT + " (the trainer reads prompt ids back from GET /v1/rollouts/{id})", 0),
+    "logprob_token_ids": _rule(_OUTPUT),
+    "return_token_offsets": _rule(_OUTPUT, False),
+    "return_prompt_text": _rule(_OUTPUT, False),
+    "return_mm_kwargs": _rule(_OUTPUT, False),
+    "spaces_between_special_tokens": _rule("the service detokenizes with the tokenizer's own spacing", True),
+    "include_reasoning": _rule("the reasoning is part of the rollout and always returned", True),
+    "mm_processor_kwargs": _rule("only text is served", {}),
+    "media_io_kwargs": _rule("only text is served", {}),
+    "prompt_embeds": _rule("only token ids or text are served"),
+    "priority": _rule(_ENGINE, 0),
+    "cache_salt": _rule(_ENGINE + " (prefix caching is salted per weight version)"),
+    "kv_transfer_params": _rule(_ENGINE, {}),
+    "ec_transfer_params": _rule(_ENGINE, {}),
+}
+
+CHAT_UNHONOURED = {
+    **_COMMON_UNHONOURED,
+    "chat_template": _rule(_PROMPT),
+    "add_generation_prompt": _rule(_PROMPT, True),
+    "continue_final_message": _rule(_PROMPT, False),
+    "add_special_tokens": _rule(_PROMPT, False),
+    "documents": _rule(_PROMPT, []),
+    "echo": _rule(_OUTPUT, False),
+    "functions": _rule("use tools (the legacy functions field is not read)", []),
+    "function_call": _rule("use tool_choice (the legacy function_call field is not read)"),
+    "audio": _rule("only text is served"),
+    "modalities": _rule("only text is served", ["text"]),
+    "prediction": _rule("predicted outputs are not served"),
+    "web_search_options": _rule("hosted tools are not served (function tools only)"),
+}
+
+COMPLETION_UNHONOURED = {
+    **_COMMON_UNHONOURED,
+    "echo": _rule(_OUTPUT + " (the answer carries prompt_token_ids)", False),
+    "suffix": _rule("insertion (suffix) is not served"),
+    "response_format": _rule(_STRUCTURED),
+}
+
+RESPONSES_UNHONOURED = {
+    **_COMMON_UNHONOURED,
+    "background": _rule("background responses are not served (nothing is kept by response id)", False),
+    "conversation": _rule("conversations are not kept by the service: send the full input"),
+    "prompt": _rule("stored prompt templates are not served: send the input"),
+    "truncation": _rule("the input is never truncated: it is the rollout's history", "disabled"),
+    "max_tool_calls": _rule("hosted tools are not served (function tools only)"),
+    "top_logprobs": _rule(_OUTPUT + " (generation_log_probs carries the sampled tokens' logprobs)", 0),
+    "enable_response_messages": _rule(_OUTPUT, False),
+    "previous_input_messages": _rule("send the full input", []),
+}
+# Responses' include: what the service has of each output is already in it; these ask for more.
+RESPONSES_INCLUDE_HONOURED = ("reasoning.encrypted_content",)  # reasoning is returned as plain text
+
+
+def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
+    """``None``, or equal to an inert default of the same kind (``false`` is not ``0``)."""
+    if value is None:
+        return True
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in inert)
+
+
+def refuse_unhonoured(req: BaseModel, table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """A 400 ``unsupported_parameter`` for the first field of ``table`` sent with a live value."""
+    for name, value in (req.model_extra or {}).items():
+        rule = table.get(name)
+        if rule is not None and not _inert(value, rule[0]):
+            raise bad_request(f"{name} is not supported: {rule[1]}", param=name, code="unsupported_parameter")
+
+
+# vLLM's reasoning_effort values; as vLLM's server does, the effort reaches the chat template as
+# ``reasoning_effort``, and ``enable_thinking`` is ``effort != "none"`` unless the call sets it.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class ResponsesReasoning(_Lenient):
+    """Responses' ``reasoning``: ``effort`` as chat's ``reasoning_effort``. A ``summary`` is not
+    generated: the reasoning itself is returned (a ``reasoning`` item with its text)."""
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any] | None:
+    """A call's chat-template kwargs with its reasoning effort merged in, as vLLM's server does."""
+    if effort is None:
+        return kwargs
+    merged = dict(kwargs or {})
+    merged.setdefault("reasoning_effort", effort)
+    merged.setdefault("enable_thinking", effort != "none")
+    return merged
+
+
 class SamplingFields(_Lenient):
     """Sampling fields shared by chat, responses and completions (OpenAI + vLLM extras)."""
 
@@ -256,6 +385,7 @@ class ChatCompletionRequest(SamplingFields):
     return_tokens_as_token_ids: StrictBool | None = None
     required_prefix_token_ids: RequiredPrefix = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: ReasoningEffort | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
 
@@ -272,7 +402,6 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     stream: StrictBool = False
     logprobs: StrictInt | None = None
-    echo: StrictBool = False
     return_token_ids: StrictBool | None = None
 
     @field_validator("prompt")
@@ -304,7 +433,7 @@ class ResponsesRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     max_output_tokens: StrictInt | None = None
     stream: StrictBool = False
-    reasoning: dict[str, Any] | None = None
+    reasoning: ResponsesReasoning | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     previous_response_id: str | None = None

@@ -17,7 +17,14 @@ from openai.types.chat.chat_completion_message import ChatCompletionMessage
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_usage import CompletionUsage
 
-from rollout_service.protocol.openai import ChatCompletionRequest, ServiceError, response_format_dict
+from rollout_service.protocol.openai import (
+    CHAT_UNHONOURED,
+    ChatCompletionRequest,
+    ServiceError,
+    refuse_unhonoured,
+    response_format_dict,
+    template_kwargs,
+)
 from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, error_event, sse, token_str, tool_choice_of
 
 error_frame = error_event
@@ -60,6 +67,7 @@ class RolloutChunk(ch.ChatCompletionChunk):
 
 
 def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnRequest:
+    refuse_unhonoured(req, CHAT_UNHONOURED)
     headers = headers.with_body_rollout_id(req.metadata)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = tool_choice_of(req.tool_choice, tools)
@@ -67,7 +75,7 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
         messages=[m.to_plain() for m in req.messages],
         tools=allowed_tools(tools, choice),
         tool_choice=choice,
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs=template_kwargs(req.chat_template_kwargs, req.reasoning_effort),
         sampling=req.sampling_kwargs(),
         max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,

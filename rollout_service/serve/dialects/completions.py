@@ -14,7 +14,7 @@ from openai.types import completion as co
 from openai.types import completion_choice as cc
 from openai.types.completion_usage import CompletionUsage
 
-from rollout_service.protocol.openai import CompletionRequest, ServiceError
+from rollout_service.protocol.openai import COMPLETION_UNHONOURED, CompletionRequest, ServiceError, refuse_unhonoured
 from rollout_service.serve.dialects.common import error_event
 
 error_frame = error_event
@@ -34,6 +34,7 @@ class RolloutCompletion(co.Completion):
 
 
 def call(req: CompletionRequest) -> CompletionCall:
+    refuse_unhonoured(req, COMPLETION_UNHONOURED)
     return CompletionCall(prompt=req.prompt, sampling=req.sampling_kwargs(),
                           max_tokens=req.max_tokens if req.max_tokens is not None else 16,
                           top_logprobs=req.logprobs or 0, stream=req.stream, want_token_strs=req.logprobs is not None)

@@ -22,7 +22,15 @@ from typing import Any, AsyncIterator
 
 from openai.types import responses as rt
 
-from rollout_service.protocol.openai import ResponsesRequest, ServiceError, bad_request
+from rollout_service.protocol.openai import (
+    RESPONSES_INCLUDE_HONOURED,
+    RESPONSES_UNHONOURED,
+    ResponsesRequest,
+    ServiceError,
+    bad_request,
+    refuse_unhonoured,
+    template_kwargs,
+)
 from rollout_service.protocol.responses import ECHO_FIELDS, input_to_messages, tools_to_chat
 from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, tool_choice_of
 from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
@@ -32,6 +40,16 @@ def turn_request(req: ResponsesRequest, headers: RolloutHeaders) -> TurnRequest:
     if req.previous_response_id:
         raise bad_request("previous_response_id is not supported: send the full input (the service keeps token history "
                           "per rollout id)", param="previous_response_id")
+    refuse_unhonoured(req, RESPONSES_UNHONOURED)
+    include = (req.model_extra or {}).get("include")
+    if include is not None:
+        if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+            raise bad_request("include must be a list of strings", param="include")
+        for item in include:
+            if item not in RESPONSES_INCLUDE_HONOURED:
+                raise bad_request(f"include {item!r} is not supported (the service returns reasoning, text and function "
+                                  "calls; hosted tools and output logprobs are not served)", param="include",
+                                  code="unsupported_parameter")
     headers = headers.with_body_rollout_id(req.metadata)
     tools = tools_to_chat(req.tools)
     choice = tool_choice_of(req.tool_choice, tools)
@@ -39,7 +57,7 @@ def turn_request(req: ResponsesRequest, headers: RolloutHeaders) -> TurnRequest:
         messages=input_to_messages(req.input, req.instructions),
         tools=allowed_tools(tools, choice),
         tool_choice=choice,
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs=template_kwargs(req.chat_template_kwargs, req.reasoning.effort if req.reasoning else None),
         sampling=req.sampling_kwargs(),
         max_tokens=req.max_output_tokens if req.max_output_tokens is not None else req.max_tokens,
         stream=req.stream,
