@@ -177,16 +177,17 @@ def _init_ray(num_cpus: int, address: str | None, metrics_port: int | None = Non
     return {"address": ctx.address_info.get("gcs_address")}
 
 
-def _check_port_free(port: int, what: str) -> None:
-    """A taken port is refused here, naming it, not left to Ray's metrics agent (a process on its node)."""
+def _check_port_free(port: int, what: str, host: str = "127.0.0.1", flag: str | None = None) -> None:
+    """A taken port is refused here, naming it, not minutes later by a process Ray starts (its
+    metrics agent, Serve's proxy or HAProxy)."""
     import socket
 
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError as exc:
             raise RuntimeError(f"{what} port {port} is in use ({exc.strerror}): choose another "
-                               f"(rollout-service up --{what}-port PORT)") from None
+                               f"(rollout-service up {flag or f'--{what}-port'} PORT)") from None
 
 
 def metrics_url() -> str | None:
@@ -367,6 +368,47 @@ def shutdown_local_ray(grace: float = 5.0) -> list[int]:
     if session_dir:
         ours |= session_processes(session_dir)
     ray.shutdown(wait_for_processes=True)
+    if session_dir:
+        ours |= session_processes(session_dir)
+    return stop_processes(ours, grace)
+
+
+def local_ray_gone(wait: float = 1.0) -> bool:
+    """True when this process started a Ray whose GCS stopped serving (or does so within ``wait``
+    seconds): a signal sent to the whole process group (``kill -TERM -<pgid>``, a service manager
+    stopping the unit's processes) reached it and the raylet too, which share this process's group.
+    Ray blocks SIGINT in its processes, so a Ctrl-C in a terminal never does this; SIGTERM does: the
+    GCS closes its port at once, then lingers. A driver whose GCS is gone must not call into Ray:
+    each call waits out the GCS reconnect timeout (60 s), then Ray aborts the process."""
+    import socket
+
+    import ray._private.worker
+
+    node = ray._private.worker._global_node
+    if node is None or not node.all_processes:
+        return False
+    gcs = [info.process for info in node.all_processes.get("gcs_server", ())]
+    host, _, port = (node.gcs_address or "").rpartition(":")
+    deadline = time.monotonic() + wait
+    while True:
+        if any(p.poll() is not None for p in gcs):
+            return True
+        try:
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+        except (ConnectionRefusedError, ValueError):
+            return True
+        except OSError:  # a timeout: busy, not gone
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def abandon_local_ray(grace: float = 5.0) -> list[int]:
+    """Stop by pid every process of the Ray this process started, without calling into Ray (its GCS
+    is gone: :func:`local_ray_gone`). Returns the pids that had to be stopped."""
+    session_dir, ray_pids = _local_ray_session()
+    ours = process_tree(ray_pids)
     if session_dir:
         ours |= session_processes(session_dir)
     return stop_processes(ours, grace)

@@ -236,6 +236,71 @@ def test_shutdown_local_ray_stops_what_rays_own_shutdown_leaves_running(ray_driv
     assert not _running(child) and not _running(orphan)
 
 
+# --- a driver of start_local_ray whose whole process group gets SIGTERM -----------------------------
+
+GROUP_DRIVER = """
+import os, signal, threading
+import ray
+from rollout_service.runtime import abandon_local_ray, local_ray_gone, shutdown_local_ray, start_local_ray
+
+start_local_ray(num_cpus=1)
+
+@ray.remote
+class Ingress:  # like Serve's HAProxyManager: an actor whose child (haproxy) has a session of its own
+    def start(self):
+        import subprocess
+        return subprocess.Popen(["sleep", "300"], start_new_session=True).pid
+
+ingress = Ingress.remote()
+print("stray", ray.get(ingress.start.remote()), "gone before", local_ray_gone(wait=0.3), flush=True)
+signalled = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: signalled.set())
+signalled.wait()
+gone = local_ray_gone()  # what `rollout-service up` asks before its orderly stop
+print("gone after", gone, flush=True)
+stopped = abandon_local_ray(grace=2) if gone else shutdown_local_ray(grace=2)
+print("stopped by pid", *stopped, flush=True)
+os._exit(0)  # as `up` does: Ray's exit hook would wait 60 s for the dead GCS, then abort
+"""
+
+
+def test_a_sigterm_to_the_drivers_whole_process_group_is_detected_and_everything_is_stopped(tmp_path):
+    """``kill -TERM -<pgid>`` (a service manager stopping a unit, a shell killing a job) reaches the
+    GCS and raylet too: they share the driver's group. The GCS closes its port at once, so every
+    call into Ray would wait out the 60 s reconnect timeout, then Ray aborts the driver and leaves
+    the processes of workers' own sessions (Serve's haproxy) running. ``local_ray_gone`` sees it
+    (and not before the signal), and ``abandon_local_ray`` stops every process of the session by
+    pid without calling into Ray; `rollout-service up` does exactly this when stopping."""
+    driver = subprocess.Popen([sys.executable, "-c", GROUP_DRIVER], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=open(tmp_path / "driver.err", "w"), text=True, start_new_session=True)
+    stray = None
+    ray_dir = None
+    try:
+        ready, _, _ = select.select([driver.stdout], [], [], 120)
+        assert ready, "the driver printed nothing within 120 s"
+        line = driver.stdout.readline()
+        words = line.split()
+        assert words[:1] == ["stray"] and words[2:] == ["gone", "before", "False"], (
+            line, (tmp_path / "driver.err").read_text()[-3000:])
+        stray = _proc(int(words[1]))
+        ray_dir = next(iter(re.findall(r"(/tmp/ray[^/\s]+)/session_", " ".join(
+            _cmdline(pid) for pid, _ in _descendants(driver.pid)))), None)
+        assert ray_dir and stray and _running(stray), line
+        t0 = time.monotonic()
+        os.killpg(driver.pid, signal.SIGTERM)
+        out, _ = driver.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+        assert driver.returncode == 0 and "gone after True" in out, (driver.returncode, out)
+        assert elapsed < 20, f"{elapsed:.1f} s: the driver waited on its dead GCS"
+        assert str(stray[0]) in re.search(r"stopped by pid(.*)", out).group(1).split(), out
+        assert _wait_gone({stray}, 3) == [] and _using(ray_dir) == set(), _describe(_using(ray_dir))
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+        _kill(({stray} if stray else set()) | (_using(ray_dir) if ray_dir else set()))
+
+
 # --- up: SIGTERM, then a second signal while stopping ----------------------------------------------
 
 def _calls_reach_one_replica_per_rollout_through_haproxy(base: str) -> dict[str, list]:

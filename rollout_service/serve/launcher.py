@@ -62,6 +62,10 @@ class LocalService:
         from rollout_service.serve.app import build_app
 
         t0 = time.perf_counter()
+        if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):  # the ingress this starts binds it
+            from rollout_service.runtime import _check_port_free
+
+            _check_port_free(self.port, "HTTP", host=self.host, flag="--port")
         if not self.config.store.redis_url and not os.environ.get("ROLLOUT_SERVICE_REDIS_URL"):
             from rollout_service.store.embedded import EmbeddedRedis
 
@@ -158,7 +162,14 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
     the app and engines wind down skips that wait; Ray, its processes and the redis-server are
     still stopped, and further signals are ignored until they are.
     """
-    from rollout_service.runtime import process_id, process_tree, shutdown_local_ray, stop_processes
+    from rollout_service.runtime import (
+        abandon_local_ray,
+        local_ray_gone,
+        process_id,
+        process_tree,
+        shutdown_local_ray,
+        stop_processes,
+    )
 
     config = RolloutServiceConfig.from_yaml(config_path) if config_path else RolloutServiceConfig()
     if redis_url:
@@ -188,9 +199,11 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
         signal.signal(signal.SIGTERM, on_signal)
 
     take_signals()
+    tree_when_up: set = set()  # every process started, recorded while their parents are alive
     try:
         svc.start()
         take_signals()  # ray.init replaces the SIGTERM handler (see runtime._restore_sigterm)
+        tree_when_up = process_tree([os.getpid()]) - {process_id(os.getpid())}
         phase = "up"
         print(f"rollout-service is up: {svc.url}  (OpenAI base_url {svc.url}/v1; Ctrl-C stops)", flush=True)
         print(f"metrics (Prometheus): {svc.metrics_url or 'none: this Ray node exports no metrics'}", flush=True)
@@ -207,8 +220,13 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
         print("[up] stopping", flush=True)
         stopping_since = time.perf_counter()
         started = process_tree([os.getpid()]) - {process_id(os.getpid())}  # before Ray's exit reparents it
+        started |= tree_when_up
+        ray_gone = local_ray_gone()
+        if ray_gone:
+            print("[up] Ray's own processes got the signal too (sent to the whole process group): stopping what "
+                  "is left of them by pid", flush=True)
         try:
-            if phase == "stopping":
+            if phase == "stopping" and not ray_gone:
                 svc.stop()
         except KeyboardInterrupt:
             pass
@@ -216,12 +234,16 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
             phase = "final"
             leftovers: list[int] = []
             try:
-                leftovers += shutdown_local_ray()
+                leftovers += abandon_local_ray() if ray_gone else shutdown_local_ray()
             finally:
-                if svc.redis is not None:  # stop() was cut short before it got there
+                if svc.redis is not None:  # stop() was cut short before it got there, or skipped
                     svc.redis.stop()
                 leftovers += stop_processes(started)
             if leftovers:
                 print(f"[up] had to stop leftover processes by pid: {sorted(set(leftovers))}", flush=True)
             print(f"[up] stopped ({time.perf_counter() - stopping_since:.1f}s)", flush=True)
+            if ray_gone:  # Ray's exit hook would wait 60 s for the dead GCS, then abort the process
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
     return 0
