@@ -417,6 +417,9 @@ ROWS = _rows() + [
                           ("truncation", "auto"), ("max_tool_calls", 2), ("top_logprobs", 3),
                           ("include", ["message.output_text.logprobs"]), ("include", ["file_search_call.results"]))],
     p(Bad("responses", {"include": "reasoning.encrypted_content"}, param="include"), id="responses-include-not-a-list"),
+    *[p(Bad("tokenize", {name: value}, param=name, code="unsupported_parameter"), id=f"tokenize-unhonoured-{name}")
+      for name, value in (("add_generation_prompt", False), ("add_special_tokens", True),
+                          ("chat_template", "{{ messages }}"), ("continue_final_message", True))],
     *[p(Bad("chat", {"reasoning_effort": v}, param="reasoning_effort"), id=f"chat-reasoning-effort-{label}")
       for label, v in (("unknown", "extreme"), ("int", 1))],
     p(Bad("responses", {"reasoning": {"effort": "extreme"}}, param="reasoning.effort"), id="responses-reasoning-effort-unknown"),
@@ -522,6 +525,8 @@ INERT = {  # the refused fields' defaults, as clients that spell every field sen
     "responses": {"background": False, "truncation": "disabled", "top_logprobs": 0, "include": ["reasoning.encrypted_content"],
                   "reasoning": {"summary": "auto"}, "priority": 0, "store": False, "user": "u-1"},
     "completions": {"echo": False, "suffix": None, "best_of": 1, "min_tokens": 0, "logit_bias": None, "user": "u-1"},
+    "tokenize": {"add_generation_prompt": True, "add_special_tokens": False, "chat_template": None,
+                 "continue_final_message": False},
 }
 
 

@@ -280,6 +280,14 @@ COMPLETION_UNHONOURED = {
     "response_format": _rule(_STRUCTURED),
 }
 
+TOKENIZE_UNHONOURED = {
+    "chat_template": _rule(_PROMPT),
+    "continue_final_message": _rule(_PROMPT, False),
+    "documents": _rule(_PROMPT, []),
+    "mm_processor_kwargs": _rule("only text is served", {}),
+    "media_io_kwargs": _rule("only text is served", {}),
+}
+
 RESPONSES_UNHONOURED = {
     **_COMMON_UNHONOURED,
     "background": _rule("background responses are not served (nothing is kept by response id)", False),
@@ -461,6 +469,18 @@ class TokenizeRequest(_Lenient):
     return_token_strs: StrictBool = False
     required_prefix_token_ids: RequiredPrefix = None
     metadata: dict[str, Any] | None = None
+
+    def refuse_unhonoured(self) -> None:
+        """The messages form gives the next call's prompt ids, which always end with the generation
+        prompt and never start with special tokens the template does not write: 400 otherwise."""
+        refuse_unhonoured(self, TOKENIZE_UNHONOURED)
+        if self.messages is not None and not self.add_generation_prompt:
+            raise bad_request("add_generation_prompt: false is not supported: the ids are the next call's prompt, "
+                              "which ends with the generation prompt", param="add_generation_prompt",
+                              code="unsupported_parameter")
+        if self.messages is not None and self.add_special_tokens:
+            raise bad_request("add_special_tokens applies to the prompt form: the messages form gives the chat "
+                              "template's ids", param="add_special_tokens", code="unsupported_parameter")
 
     @model_validator(mode="after")
     def _one_of(self):

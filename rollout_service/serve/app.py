@@ -590,6 +590,7 @@ class RolloutService:
     @fastapi_app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest, headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
+        body.refuse_unhonoured()
         rid = headers.with_body_rollout_id(body.metadata).rollout_id
         kwargs = {"rollout_id": rid, "prompt": body.prompt,
                   "messages": [m.to_plain() for m in body.messages] if body.messages is not None else None,
