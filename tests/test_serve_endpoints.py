@@ -141,15 +141,20 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_engine_request(service)
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "a very long story"}], "max_tokens": 900,
             "ignore_eos": True, "stream": True, "seed": 1}
+    t0 = time.monotonic()
     with httpx.Client(base_url=service.url, timeout=60) as client:
         with client.stream("POST", "/v1/chat/completions", json=body,
                            headers={"X-Rollout-Id": f"gone-{uuid.uuid4().hex[:8]}"}) as r:
             assert r.status_code == 200, r.read()
+            lines = []
             for line in r.iter_lines():
+                lines.append(line)
                 # The first generated text (the role chunk before it may leave before the engine has the request).
                 if '"reasoning_content":"' in line or ('"content":"' in line and '"content":""' not in line):
                     break
-            assert in_flight() >= 1
+            assert in_flight() >= 1, (f"no engine request in flight {time.monotonic() - t0:.2f} s after the call, at "
+                                      f"its first text (line {len(lines)}): {lines[-3:]}; engines {engines}; "
+                                      f"fleet now {ray.get(fleet.stats.remote())}")
     deadline = time.monotonic() + 20
     while in_flight() and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -72,3 +72,34 @@ def test_cost_per_chunk_does_not_grow_with_the_answer():
         times.append(time.perf_counter() - t0)
     early, late = sorted(times[100:300])[100], sorted(times[1900:2100])[100]
     assert late < 3 * early + 20e-6, (early, late)
+
+
+WARM_CHECK = """
+import sys
+from transformers import AutoTokenizer
+from rollout_service.config import RolloutServiceConfig
+from rollout_service.serve.turns import TurnRunner
+from rollout_service.onpolicy import parsing
+
+config = RolloutServiceConfig()
+tok = AutoTokenizer.from_pretrained(config.engine.resolved_model())
+runner = TurnRunner(config, None, None, tok)
+before = "vllm.parser.parser_manager" in sys.modules, parsing._parser_cls.cache_info().currsize
+runner.warm()
+after = "vllm.parser.parser_manager" in sys.modules, parsing._parser_cls.cache_info().currsize
+print(before, after, parsing._CACHED_TOKENIZERS.get(id(tok), (None,))[0] is tok)
+"""
+
+
+def test_the_runners_warm_up_pays_the_first_calls_one_time_costs(tiny_model_dir):
+    """``TurnRunner.warm`` (run by each replica as it starts) imports vLLM's parser modules, builds the
+    cached tokenizer view and the configured reasoning and tool parsers: the 2.3-4 s the first call
+    of each replica paid (docs/benchmarks.md). In a fresh interpreter, where nothing else did it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ROLLOUT_SERVICE_TINY_MODEL": str(tiny_model_dir)}
+    out = subprocess.run([sys.executable, "-c", WARM_CHECK], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "(False, 0) (True, 2) True", out.stdout

@@ -397,7 +397,12 @@ class RolloutService:
                 await fleet.start.remote()
                 tokenizer = AutoTokenizer.from_pretrained(self.config.engine.resolved_model())
                 store = _cached(RedisRolloutStore.from_config(self.config.store), self.config.service.state_cache_rollouts)
-                self._runner = TurnRunner(self.config, await connect(fleet), store, tokenizer)
+                runner = TurnRunner(self.config, await connect(fleet), store, tokenizer)
+                try:
+                    await asyncio.to_thread(runner.warm)
+                except Exception:  # a cold first call is slower, not wrong
+                    logger.warning("warm-up of the turn runner failed", exc_info=True)
+                self._runner = runner
         return self._runner
 
     async def _runner_or_503(self):
