@@ -7,7 +7,7 @@ fields we do read are typed strictly.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, WithJsonSchema, field_validator, model_validator
 
@@ -229,7 +229,7 @@ _COMMON_UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "thinking_token_budget": _rule(_SAMPLER),
     "logits_processors": _rule(_SAMPLER, []),
     "vllm_xargs": _rule(_SAMPLER, {}),
-    "repetition_detection": _rule("it stops generations early, unlike the policy", ),
+    "repetition_detection": _rule("it stops generations early, unlike the policy"),
     "watermarking": _rule(_SAMPLER, False),
     "best_of": _rule("one sample per call (each sample of a rollout is its own rollout id)", 1),
     "use_beam_search": _rule("beam search is not sampling from the policy", False),
