@@ -147,7 +147,10 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_engine_request(service)
                            headers={"X-Rollout-Id": f"gone-{uuid.uuid4().hex[:8]}"}) as r:
             assert r.status_code == 200, r.read()
             lines = []
-            for line in r.iter_lines():
+            # The iterator is kept: a for loop's own would be collected at the break, and closing
+            # it closes httpx's connection, which is the disconnect this test makes only later.
+            stream = r.iter_lines()
+            for line in stream:
                 lines.append(line)
                 # The first generated text (the role chunk before it may leave before the engine has the request).
                 if '"reasoning_content":"' in line or ('"content":"' in line and '"content":""' not in line):
