@@ -236,6 +236,38 @@ async def _with_heartbeats(events: AsyncIterator, every_s: float) -> AsyncIterat
         await events.aclose()
 
 
+async def _next_within(events: AsyncIterator, timeout: float):
+    """The next event of a forwarded call, or ``asyncio.TimeoutError`` after ``timeout`` seconds.
+    Unlike ``asyncio.wait_for`` it does not wait for the abandoned read to finish cancelling: a read
+    of Serve's handle generator is not promised to give up promptly, and the sender's deadline is
+    the point of the timeout."""
+    read = asyncio.ensure_future(events.__anext__())
+    try:
+        done, _ = await asyncio.wait({read}, timeout=timeout)
+    except asyncio.CancelledError:
+        read.cancel()
+        raise
+    if not done:
+        read.cancel()
+        read.add_done_callback(lambda t: t.cancelled() or t.exception())  # its late outcome, unheard
+        raise asyncio.TimeoutError
+    return read.result()
+
+
+def _abandon(events) -> None:
+    """Cancel a forwarded call without blocking this replica's loop: Serve's
+    ``DeploymentResponseGenerator.cancel`` resolves the replica synchronously and calls ``ray.cancel``,
+    so it runs on a worker thread (the handle's router lives in its own loop: thread-safe)."""
+
+    def cancel() -> None:
+        try:
+            events.cancel()
+        except Exception as exc:  # already finished, or the owner is gone
+            logger.debug("cancelling a forwarded call: %s", exc)
+
+    asyncio.get_running_loop().run_in_executor(None, cancel)
+
+
 def error_response(exc: ServiceError) -> JSONResponse:
     return JSONResponse(exc.envelope(), status_code=exc.status)
 
@@ -454,12 +486,12 @@ class RolloutService:
         events = self._owner(turn.rollout_id, stream=True).run_forwarded.remote(
             turn, time.time() + timeout / 2, self.config.service.forward_heartbeat_s)
         try:
-            await asyncio.wait_for(events.__anext__(), timeout)  # run_forwarded's TurnAccepted
+            await _next_within(events, timeout)  # run_forwarded's TurnAccepted
         except (asyncio.TimeoutError, StopAsyncIteration):
             # No acceptance in time. Measured (docs/data-plane.md): about 1 in 200 forwarded turns
             # whose owner ran and stored the turn but whose streamed events never came back through
             # Serve's handle; or the call was refused there as too late.
-            events.cancel()
+            _abandon(events)
             async for event in self._fallback_events(turn, "not-accepted",
                                                      f"not accepted by its owner within {timeout:.1f} s"):
                 yield event
@@ -469,13 +501,13 @@ class RolloutService:
             # The owner sends a heartbeat whenever the turn is quiet for forward_heartbeat_s, so
             # silence for the whole timeout means the stream is lost, not that the turn is slow.
             try:
-                event = await asyncio.wait_for(events.__anext__(), timeout)
+                event = await _next_within(events, timeout)
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
                 if answered:  # only the stream's end is missing: the answer is here
                     return
-                events.cancel()  # the owner's turn stops there (its engine call is aborted) if it is still running
+                _abandon(events)  # the owner's turn stops there (its engine call is aborted) if it is still running
                 if streamed:  # the client has part of the answer: it must retry (answered from the store)
                     self.forward_fallbacks += 1
                     logger.warning("forwarded turn of rollout %s: its owner's stream went silent for %.1f s after "
