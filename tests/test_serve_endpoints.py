@@ -20,6 +20,8 @@ def test_models_is_vllm_compatible(openai_client, tiny_model_dir):
 def test_health(http):
     r = http.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["engines_alive"] == 1
+    head = http.head("/health")  # load balancers' and some probes' method
+    assert head.status_code == 200 and head.content == b"", (head.status_code, head.content)
 
 
 def test_tokenize_returns_the_ids_the_next_call_will_use(http):

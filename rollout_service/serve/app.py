@@ -690,7 +690,7 @@ class RolloutService:
             "root": self.model_root, "parent": None, "max_model_len": self.config.engine.max_model_len,
         }]})
 
-    @fastapi_app.get("/health")
+    @fastapi_app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health(self):
         try:
             runner = await asyncio.wait_for(self._ready(), timeout=30)
