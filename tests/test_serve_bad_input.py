@@ -414,9 +414,11 @@ ROWS = _rows() + [
       for name, value in (("echo", True), ("echo", 1), ("suffix", "x"), ("response_format", {"type": "json_object"}))],
     *[p(Bad("responses", {name: value}, param=name, code="unsupported_parameter"), id=f"responses-unhonoured-{name}")
       for name, value in (("background", True), ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}),
-                          ("truncation", "auto"), ("max_tool_calls", 2), ("top_logprobs", 3),
-                          ("include", ["message.output_text.logprobs"]), ("include", ["file_search_call.results"]))],
+                          ("truncation", "auto"), ("max_tool_calls", 2), ("include", ["file_search_call.results"]))],
     p(Bad("responses", {"include": "reasoning.encrypted_content"}, param="include"), id="responses-include-not-a-list"),
+    p(Bad("responses", {"top_logprobs": 3}, param="top_logprobs"), id="responses-top-logprobs-without-include"),
+    *[p(Bad("responses", {"include": ["message.output_text.logprobs"], "top_logprobs": v}, param="top_logprobs"),
+        id=f"responses-top-logprobs-{label}") for label, v in (("over-max", 21), ("negative", -1), ("string", "2"))],
     *[p(Bad("tokenize", {name: value}, param=name, code="unsupported_parameter"), id=f"tokenize-unhonoured-{name}")
       for name, value in (("add_generation_prompt", False), ("add_special_tokens", True),
                           ("chat_template", "{{ messages }}"), ("continue_final_message", True))],

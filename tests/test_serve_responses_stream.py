@@ -13,11 +13,11 @@ pytestmark = pytest.mark.serve
 TOOL = {"type": "function", **{k: WEATHER_TOOL["function"][k] for k in ("name", "description", "parameters")}}
 
 
-def _events(openai_client, **kwargs):
+def _events(openai_client, rollout_id: str | None = None, **kwargs):
     """Every event, read through ``responses.stream`` (it raises on unknown items, reused indices,
     item identities that change between added and done, or a completion with unfinished items)."""
-    with openai_client.responses.stream(model=MODEL, extra_headers={"X-Rollout-Id": f"rs-{uuid.uuid4().hex[:8]}"},
-                                        **kwargs) as stream:
+    rid = rollout_id or f"rs-{uuid.uuid4().hex[:8]}"
+    with openai_client.responses.stream(model=MODEL, extra_headers={"X-Rollout-Id": rid}, **kwargs) as stream:
         return list(stream)
 
 
@@ -78,3 +78,56 @@ def test_a_forced_tool_call_streams_a_function_call_item_and_completes(openai_cl
     call = final.output[-1]
     assert call.type == "function_call" and call.name == "get_weather"
     assert call.model_dump()["generation_token_ids"]
+
+
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def _check_logprobs(entries, ids, lps, tiny_tokenizer, top: int):
+    """OpenAI's per-token entries for exactly the generation's ids and logprobs (bit-equal floats)."""
+    assert [e["logprob"] for e in entries] == lps
+    assert [e["token"] for e in entries] == [tiny_tokenizer.decode([i]) for i in ids]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in entries)
+    for e in entries:  # the alternatives asked for, each a decoded token with its logprob, best first
+        alts = e["top_logprobs"]
+        assert len(alts) >= top and all(set(a) == {"token", "logprob", "bytes"} for a in alts), e
+        assert [a["logprob"] for a in alts] == sorted((a["logprob"] for a in alts), reverse=True), e
+
+
+def test_responses_logprobs_on_the_output_text_are_the_generations(openai_client, tiny_tokenizer):
+    """include ["message.output_text.logprobs"] with top_logprobs: the message's output_text carries
+    every generated token's logprob (as vLLM's server), equal to the stored generation_log_probs."""
+    r = openai_client.responses.create(model=MODEL, input="count to three", max_output_tokens=10, include=LOGPROBS,
+                                       top_logprobs=2, extra_body={"seed": 3},
+                                       extra_headers={"X-Rollout-Id": f"rlp-{uuid.uuid4().hex[:8]}"})
+    last = r.output[-1].model_dump()
+    message = next(o for o in r.output if o.type == "message").model_dump()
+    _check_logprobs(message["content"][0]["logprobs"], last["generation_token_ids"], last["generation_log_probs"],
+                    tiny_tokenizer, top=2)
+    plain = openai_client.responses.create(model=MODEL, input="count to three", max_output_tokens=4,
+                                           extra_body={"seed": 3}, extra_headers={"X-Rollout-Id": f"rlp-{uuid.uuid4().hex[:8]}"})
+    assert next(o for o in plain.output if o.type == "message").content[0].logprobs == []  # not asked: none
+
+
+def test_a_responses_stream_with_logprobs_carries_them_on_text_deltas_and_the_done_events(openai_client, tiny_tokenizer):
+    call = dict(input="tell me a story", max_output_tokens=12, include=LOGPROBS, top_logprobs=1,
+                extra_body={"seed": 4, "chat_template_kwargs": {"enable_thinking": False}})
+    rid = f"rs-{uuid.uuid4().hex[:8]}"
+    events = _events(openai_client, rid, **call)
+    final = _check_sequence(events)
+    last = final.output[-1].model_dump()
+    ids, lps = last["generation_token_ids"], last["generation_log_probs"]
+    done = next(e for e in events if e.type == "response.output_text.done").model_dump()
+    _check_logprobs(done["logprobs"], ids, lps, tiny_tokenizer, top=1)
+    message = next(o for o in final.output if o.type == "message").model_dump()
+    assert message["content"][0]["logprobs"] == done["logprobs"]
+    # Thinking off: every token is the message's, so the deltas carry each token once, in order.
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.model_dump()["logprobs"]]
+    assert [e["logprob"] for e in streamed] == lps and [e["token"] for e in streamed] == [e["token"] for e in done["logprobs"]]
+    # The same call again is a retry, answered from the store: the same tokens (decoded), the same logprobs.
+    again = _events(openai_client, rid, **call)
+    assert _check_sequence(again).output[-1].model_dump()["rollout"]["replayed"] is True
+    replayed = next(e for e in again if e.type == "response.output_text.done").model_dump()["logprobs"]
+    assert [(e["token"], e["logprob"]) for e in replayed] == [(e["token"], e["logprob"]) for e in done["logprobs"]]
+    streamed_again = [lp for e in again if e.type == "response.output_text.delta" for lp in e.model_dump()["logprobs"]]
+    assert [(e["token"], e["logprob"]) for e in streamed_again] == [(e["token"], e["logprob"]) for e in streamed]

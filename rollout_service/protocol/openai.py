@@ -295,12 +295,14 @@ RESPONSES_UNHONOURED = {
     "prompt": _rule("stored prompt templates are not served: send the input"),
     "truncation": _rule("the input is never truncated: it is the rollout's history", "disabled"),
     "max_tool_calls": _rule("hosted tools are not served (function tools only)"),
-    "top_logprobs": _rule(_OUTPUT + " (generation_log_probs carries the sampled tokens' logprobs)", 0),
     "enable_response_messages": _rule(_OUTPUT, False),
     "previous_input_messages": _rule("send the full input", []),
 }
 # Responses' include: what the service has of each output is already in it; these ask for more.
-RESPONSES_INCLUDE_HONOURED = ("reasoning.encrypted_content",)  # reasoning is returned as plain text
+# reasoning.encrypted_content: reasoning is returned as plain text anyway;
+# message.output_text.logprobs: the generation's logprobs on the message's output_text (as vLLM).
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+RESPONSES_INCLUDE_HONOURED = ("reasoning.encrypted_content", OUTPUT_LOGPROBS)
 
 
 def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
@@ -448,6 +450,12 @@ class ResponsesRequest(SamplingFields):
     store: StrictBool | None = None
     required_prefix_token_ids: RequiredPrefix = None
     text: ResponsesTextConfig | None = None
+    # With include ["message.output_text.logprobs"]: alternatives per token (0 to engine.max_logprobs).
+    top_logprobs: StrictInt | None = None
+
+    def wants_logprobs(self) -> bool:
+        include = (self.model_extra or {}).get("include")
+        return isinstance(include, list) and OUTPUT_LOGPROBS in include
 
     @field_validator("input")
     @classmethod

@@ -315,7 +315,7 @@ class TurnRunner:
                     yield TokenDelta(token_ids=replay.generation_token_ids, logprobs=replay.generation_log_probs,
                                      reasoning=replay.message.get("reasoning_content") or "",
                                      content=replay.message.get("content") or "",
-                                     prompt_token_ids=replay.prompt_token_ids)
+                                     prompt_token_ids=replay.prompt_token_ids, token_strs=replay.token_strs)
                 get_metrics().turn("replay")
                 yield replay
                 return

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 from openai.types.chat import chat_completion as cc
 from openai.types.chat import chat_completion_chunk as ch
 from openai.types.chat.chat_completion_message import ChatCompletionMessage
-from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
+from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
 from openai.types.completion_usage import CompletionUsage
 
 from rollout_service.protocol.openai import (
@@ -25,7 +25,7 @@ from rollout_service.protocol.openai import (
     response_format_dict,
     template_kwargs,
 )
-from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, error_event, sse, token_str, tool_choice_of
+from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, error_event, sse, token_logprobs, tool_choice_of
 
 error_frame = error_event
 from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
@@ -91,14 +91,8 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
 
 
 def _logprobs(ids, lps, tops, strs, as_ids: bool) -> cc.ChoiceLogprobs:
-    tops = tops or [None] * len(ids)
-    content = []
-    for tid, lp, top in zip(ids, lps, tops):
-        tok = token_str(strs, tid, as_ids)
-        alts = [TopLogprob(token=(s := token_str(strs, t, as_ids)), logprob=v, bytes=list(s.encode()))
-                for t, v in (top or {}).items()]
-        content.append(ChatCompletionTokenLogprob(token=tok, logprob=lp, bytes=list(tok.encode()), top_logprobs=alts))
-    return cc.ChoiceLogprobs(content=content)
+    return cc.ChoiceLogprobs(content=[ChatCompletionTokenLogprob.model_validate(entry)
+                                      for entry in token_logprobs(ids, lps, tops, strs, as_ids)])
 
 
 def _usage(result: TurnResult) -> CompletionUsage:

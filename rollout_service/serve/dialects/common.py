@@ -148,3 +148,15 @@ def error_event(exc: ServiceError) -> bytes:
 
 def token_str(strs: dict[int, str] | None, tid: int, as_ids: bool) -> str:
     return f"token_id:{tid}" if as_ids or strs is None else strs.get(tid, "")
+
+
+def token_logprobs(ids, lps, tops, strs: dict[int, str] | None, as_ids: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's per-token logprob entries (token, logprob, UTF-8 bytes, alternatives), the shape of
+    chat's ``logprobs.content`` and of Responses' ``output_text.logprobs``."""
+    out = []
+    for tid, lp, top in zip(ids, lps, tops or [None] * len(ids)):
+        tok = token_str(strs, tid, as_ids)
+        alts = [{"token": (s := token_str(strs, t, as_ids)), "logprob": v, "bytes": list(s.encode())}
+                for t, v in (top or {}).items()]
+        out.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": alts})
+    return out

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator
 from openai.types import responses as rt
 
 from rollout_service.protocol.openai import (
+    OUTPUT_LOGPROBS,
     RESPONSES_INCLUDE_HONOURED,
     RESPONSES_UNHONOURED,
     ResponsesRequest,
@@ -32,7 +33,7 @@ from rollout_service.protocol.openai import (
     template_kwargs,
 )
 from rollout_service.protocol.responses import ECHO_FIELDS, input_to_messages, tools_to_chat
-from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, tool_choice_of
+from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, token_logprobs, tool_choice_of
 from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
 
 
@@ -47,9 +48,13 @@ def turn_request(req: ResponsesRequest, headers: RolloutHeaders) -> TurnRequest:
             raise bad_request("include must be a list of strings", param="include")
         for item in include:
             if item not in RESPONSES_INCLUDE_HONOURED:
-                raise bad_request(f"include {item!r} is not supported (the service returns reasoning, text and function "
-                                  "calls; hosted tools and output logprobs are not served)", param="include",
-                                  code="unsupported_parameter")
+                raise bad_request(f"include {item!r} is not supported (the service returns reasoning, text, function "
+                                  f"calls and, with {OUTPUT_LOGPROBS!r}, logprobs; hosted tools are not served)",
+                                  param="include", code="unsupported_parameter")
+    wants_logprobs = req.wants_logprobs()
+    if req.top_logprobs and not wants_logprobs:
+        raise bad_request(f"top_logprobs needs include: [{OUTPUT_LOGPROBS!r}] (the logprobs it adds alternatives to)",
+                          param="top_logprobs")
     headers = headers.with_body_rollout_id(req.metadata)
     tools = tools_to_chat(req.tools)
     choice = tool_choice_of(req.tool_choice, tools)
@@ -67,6 +72,8 @@ def turn_request(req: ResponsesRequest, headers: RolloutHeaders) -> TurnRequest:
         required_prefix_token_ids=req.required_prefix_token_ids,
         response_format=req.text.response_format() if req.text is not None else None,
         parallel_tool_calls=req.parallel_tool_calls,
+        top_logprobs=(req.top_logprobs or 0) if wants_logprobs else 0,
+        want_token_strs=wants_logprobs,
     )
 
 
@@ -85,7 +92,16 @@ class _Ids:
         return self.calls[i]
 
 
-def output_items(result: TurnResult, ids: _Ids) -> list[dict[str, Any]]:
+def _result_logprobs(result: TurnResult, req: ResponsesRequest) -> list[dict[str, Any]]:
+    """include message.output_text.logprobs: every generated token's, on the message's output_text
+    (vLLM's server does the same: the reasoning's tokens too, the generation is one sequence)."""
+    if not req.wants_logprobs():
+        return []
+    return token_logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
+                          result.token_strs)
+
+
+def output_items(result: TurnResult, ids: _Ids, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     msg = result.message
     items: list[dict[str, Any]] = []
     status = "incomplete" if result.finish_reason == "length" else "completed"
@@ -95,7 +111,7 @@ def output_items(result: TurnResult, ids: _Ids) -> list[dict[str, Any]]:
     if msg.get("content") or not msg.get("tool_calls"):
         items.append({"type": "message", "id": ids.message, "role": "assistant", "status": status,
                       "content": [{"type": "output_text", "text": msg.get("content") or "", "annotations": [],
-                                   "logprobs": []}]})
+                                   "logprobs": logprobs or []}]})
     for i, tc in enumerate(msg.get("tool_calls") or []):
         items.append({"type": "function_call", "id": ids.call(i), "call_id": tc["id"], "name": tc["function"]["name"],
                       "arguments": tc["function"]["arguments"], "status": "completed"})
@@ -135,7 +151,8 @@ def _status(result: TurnResult) -> str:
 
 def response(result: TurnResult, req: ResponsesRequest, model: str) -> rt.Response:
     ids = _Ids()
-    return _response(req, model, ids, status=_status(result), output=output_items(result, ids), result=result)
+    return _response(req, model, ids, status=_status(result), output=output_items(result, ids, _result_logprobs(result, req)),
+                     result=result)
 
 
 async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str) -> AsyncIterator[bytes]:
@@ -154,17 +171,22 @@ async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str
     yield ev("response.in_progress", response=start)
 
     texts = {"reasoning": "", "message": ""}
+    wants_logprobs = req.wants_logprobs()
+    streamed_logprobs: list[dict[str, Any]] = []  # every token's so far (a message closed early carries them)
     index: dict[str, int] = {}  # text items opened while streaming -> output index
     closed: set[str] = set()
     event = first
     try:
         while isinstance(event, TokenDelta):
+            delta_logprobs = token_logprobs(event.token_ids, event.logprobs, event.top_logprobs,
+                                            event.token_strs) if wants_logprobs else []
+            streamed_logprobs += delta_logprobs
             for kind, text in (("reasoning", event.reasoning), ("message", event.content)):
                 if not text or kind in closed:
                     continue
                 if kind not in index:
                     for other in [k for k in index if k not in closed]:  # one text item streams at a time
-                        item = _text_item(other, ids, texts[other], "completed")
+                        item = _text_item(other, ids, texts[other], "completed", streamed_logprobs)
                         for frame in _close_text(ev, other, index[other], ids, texts[other], item):
                             yield frame
                         closed.add(other)
@@ -172,7 +194,7 @@ async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str
                     for frame in _open_text(ev, kind, index[kind], ids):
                         yield frame
                 texts[kind] += text
-                yield _text_delta(ev, kind, index[kind], ids, text)
+                yield _text_delta(ev, kind, index[kind], ids, text, delta_logprobs)
             event = await events.__anext__()
     except StopAsyncIteration:
         return
@@ -182,7 +204,8 @@ async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str
 
     result: TurnResult = event
     status = _status(result)
-    final = _response(req, model, ids, status=status, output=output_items(result, ids), result=result, created=created)
+    final = _response(req, model, ids, status=status, output=output_items(result, ids, _result_logprobs(result, req)),
+                      result=result, created=created)
     for i, item in enumerate(final.output):
         kind = item.type
         if kind in ("reasoning", "message"):
@@ -193,7 +216,7 @@ async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str
                 for frame in _open_text(ev, kind, i, ids):
                     yield frame
                 if text:
-                    yield _text_delta(ev, kind, i, ids, text)
+                    yield _text_delta(ev, kind, i, ids, text, _item_logprobs(item))
             for frame in _close_text(ev, kind, index.get(kind, i), ids, text, item):
                 yield frame
         else:  # function_call: arguments as one delta, parsed by the same parser as a non-streamed call
@@ -211,19 +234,26 @@ def error_frame(exc: ServiceError) -> bytes:
     return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
 
 
-def _text_item(kind: str, ids: _Ids, text: str, status: str) -> dict[str, Any]:
+def _text_item(kind: str, ids: _Ids, text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
     if kind == "reasoning":
         return {"type": "reasoning", "id": ids.reasoning, "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": text}]}
     return {"type": "message", "id": ids.message, "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}]}
 
 
-def _text_delta(ev, kind: str, index: int, ids: _Ids, text: str) -> bytes:
+def _item_logprobs(item) -> list:
+    """The logprobs of a message item's output_text (a dict while streaming, a typed item at the end)."""
+    part = item["content"][0] if isinstance(item, dict) else item.content[0]
+    logprobs = part["logprobs"] if isinstance(part, dict) else part.logprobs
+    return list(logprobs or [])
+
+
+def _text_delta(ev, kind: str, index: int, ids: _Ids, text: str, logprobs: list | None = None) -> bytes:
     if kind == "reasoning":
         return ev("response.reasoning_text.delta", item_id=ids.reasoning, output_index=index, content_index=0, delta=text)
     return ev("response.output_text.delta", item_id=ids.message, output_index=index, content_index=0, delta=text,
-              logprobs=[])
+              logprobs=list(logprobs or []))
 
 
 def _open_text(ev, kind: str, index: int, ids: _Ids):
@@ -241,10 +271,11 @@ def _close_text(ev, kind: str, index: int, ids: _Ids, text: str, item):
         yield ev("response.content_part.done", item_id=ids.reasoning, output_index=index, content_index=0,
                  part={"type": "reasoning_text", "text": text})
     else:
+        logprobs = _item_logprobs(item)
         yield ev("response.output_text.done", item_id=ids.message, output_index=index, content_index=0, text=text,
-                 logprobs=[])
+                 logprobs=logprobs)
         yield ev("response.content_part.done", item_id=ids.message, output_index=index, content_index=0,
-                 part={"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+                 part={"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs})
     yield ev("response.output_item.done", output_index=index, item=item)
 
 
