@@ -97,7 +97,14 @@ class Agents:
 
     async def check(self, rid: str, acked: list[dict]) -> tuple[int, int]:
         """(acknowledged turns lost, forks) of one rollout, from the stored trajectory."""
-        traj = (await self.http.get(f"/v1/rollouts/{rid}", headers={"X-Rollout-Id": rid})).json()
+        for attempt in range(5):  # a kept-alive connection closed by HAProxy's reload: retried, as clients do
+            try:
+                traj = (await self.http.get(f"/v1/rollouts/{rid}", headers={"X-Rollout-Id": rid})).json()
+                break
+            except Exception:
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
         forks = len(traj["segments"]) - 1
         seg = traj["segments"][-1]
         lost = sum(seg["token_ids"][: len(m["prompt_token_ids"]) + len(m["generation_token_ids"])]
