@@ -173,6 +173,7 @@ async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str
     texts = {"reasoning": "", "message": ""}
     wants_logprobs = req.wants_logprobs()
     streamed_logprobs: list[dict[str, Any]] = []  # every token's so far (a message closed early carries them)
+    pending: list[dict[str, Any]] = []  # tokens not on a text delta yet (they completed no text, e.g. half a character)
     index: dict[str, int] = {}  # text items opened while streaming -> output index
     closed: set[str] = set()
     event = first
@@ -181,20 +182,25 @@ async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str
             delta_logprobs = token_logprobs(event.token_ids, event.logprobs, event.top_logprobs,
                                             event.token_strs) if wants_logprobs else []
             streamed_logprobs += delta_logprobs
+            pending += delta_logprobs
             for kind, text in (("reasoning", event.reasoning), ("message", event.content)):
                 if not text or kind in closed:
                     continue
                 if kind not in index:
                     for other in [k for k in index if k not in closed]:  # one text item streams at a time
                         item = _text_item(other, ids, texts[other], "completed", streamed_logprobs)
-                        for frame in _close_text(ev, other, index[other], ids, texts[other], item):
+                        for frame in _close_text(ev, other, index[other], ids, texts[other], item, streamed_logprobs):
                             yield frame
                         closed.add(other)
                     index[kind] = len(index)
                     for frame in _open_text(ev, kind, index[kind], ids):
                         yield frame
                 texts[kind] += text
-                yield _text_delta(ev, kind, index[kind], ids, text, delta_logprobs)
+                yield _text_delta(ev, kind, index[kind], ids, text, pending if kind == "message" else ())
+                if kind == "message":
+                    pending = []
+            if event.reasoning and not event.content:
+                pending = []  # the reasoning's tokens: not the message's text
             event = await events.__anext__()
     except StopAsyncIteration:
         return
@@ -204,7 +210,8 @@ async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str
 
     result: TurnResult = event
     status = _status(result)
-    final = _response(req, model, ids, status=status, output=output_items(result, ids, _result_logprobs(result, req)),
+    final_logprobs = _result_logprobs(result, req)
+    final = _response(req, model, ids, status=status, output=output_items(result, ids, final_logprobs),
                       result=result, created=created)
     for i, item in enumerate(final.output):
         kind = item.type
@@ -216,8 +223,8 @@ async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str
                 for frame in _open_text(ev, kind, i, ids):
                     yield frame
                 if text:
-                    yield _text_delta(ev, kind, i, ids, text, _item_logprobs(item))
-            for frame in _close_text(ev, kind, index.get(kind, i), ids, text, item):
+                    yield _text_delta(ev, kind, i, ids, text, final_logprobs)
+            for frame in _close_text(ev, kind, index.get(kind, i), ids, text, item, final_logprobs):
                 yield frame
         else:  # function_call: arguments as one delta, parsed by the same parser as a non-streamed call
             yield ev("response.output_item.added", output_index=i,
@@ -242,14 +249,7 @@ def _text_item(kind: str, ids: _Ids, text: str, status: str, logprobs: list | No
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}]}
 
 
-def _item_logprobs(item) -> list:
-    """The logprobs of a message item's output_text (a dict while streaming, a typed item at the end)."""
-    part = item["content"][0] if isinstance(item, dict) else item.content[0]
-    logprobs = part["logprobs"] if isinstance(part, dict) else part.logprobs
-    return list(logprobs or [])
-
-
-def _text_delta(ev, kind: str, index: int, ids: _Ids, text: str, logprobs: list | None = None) -> bytes:
+def _text_delta(ev, kind: str, index: int, ids: _Ids, text: str, logprobs=()) -> bytes:
     if kind == "reasoning":
         return ev("response.reasoning_text.delta", item_id=ids.reasoning, output_index=index, content_index=0, delta=text)
     return ev("response.output_text.delta", item_id=ids.message, output_index=index, content_index=0, delta=text,
@@ -265,13 +265,13 @@ def _open_text(ev, kind: str, index: int, ids: _Ids):
     yield ev("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part)
 
 
-def _close_text(ev, kind: str, index: int, ids: _Ids, text: str, item):
+def _close_text(ev, kind: str, index: int, ids: _Ids, text: str, item, logprobs=()):
     if kind == "reasoning":
         yield ev("response.reasoning_text.done", item_id=ids.reasoning, output_index=index, content_index=0, text=text)
         yield ev("response.content_part.done", item_id=ids.reasoning, output_index=index, content_index=0,
                  part={"type": "reasoning_text", "text": text})
     else:
-        logprobs = _item_logprobs(item)
+        logprobs = list(logprobs)
         yield ev("response.output_text.done", item_id=ids.message, output_index=index, content_index=0, text=text,
                  logprobs=logprobs)
         yield ev("response.content_part.done", item_id=ids.message, output_index=index, content_index=0,
