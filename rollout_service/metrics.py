@@ -20,15 +20,20 @@ Why the methods look the way they do:
   record costs, so each label combination is bound once (:class:`_Series`) and later records hand
   the cached dict straight to Ray's recorder. A request costs a few microseconds (see
   docs/observability.md for the measurement).
-- Gauges: Ray exports a gauge's value only in the reporting interval it was set in (10 s), and its
-  agent drops a series not reported for two intervals. So gauges are kept here and re-set every
-  :data:`GAUGE_REFRESH_S` by a daemon thread; a series that should vanish (the previous weight
+- Gauges: Ray exports a gauge's value only in the reporting interval it was set in, and its agent
+  drops a series not re-reported within two intervals (``metrics_report_interval_ms``, 10 s by
+  default). So gauges are kept (:data:`KEPT_GAUGES`) and re-set every :func:`gauge_refresh_s`, half
+  an interval, by one daemon thread per process; a series that should vanish (the previous weight
   version of the info-style ``weight_version`` gauge) is simply no longer re-set and ages out.
+  vLLM's own gauges (requests running and waiting, KV cache use) are kept the same way
+  (:func:`kept_ray_stat_logger`): vLLM sets them only when the engine steps, so an idle engine's
+  gauges would vanish from the endpoint instead of reading 0.
 - Importable without vLLM (and without Ray: outside a Ray worker every method is a no-op).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -38,7 +43,6 @@ from typing import Any, Iterable
 NAME_PREFIX = "rollout_service_"
 EXPORT_PREFIX = "ray_"  # Ray's Prometheus exporter prefixes every application metric with its namespace
 DEFAULT_METRICS_PORT = 9464  # `up` default: not Serve's 8000, Redis' 6379, Ray's 6379/8265/10001, KubeRay's 8080
-GAUGE_REFRESH_S = 5.0  # < Ray's 10 s reporting interval: a live gauge never misses one
 ACTIVE_WINDOW_S = 300.0  # a rollout is active while its last call began less than this long ago
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -139,6 +143,79 @@ BY_NAME = {m.name: m for m in METRICS}
 
 
 # ----------------------------------------------------------------------------------- recording
+def gauge_refresh_s() -> float:
+    """How often a kept gauge is re-set: half of Ray's metrics export interval in this process
+    (Ray floors the interval at 1 s), so a live gauge is in every export and never ages out."""
+    try:
+        import ray
+
+        ms = int(ray._config.metrics_report_interval_ms())
+    except Exception:  # outside Ray, or another Ray: its documented environment knob
+        ms = int(os.environ.get("RAY_metrics_report_interval_ms", "10000"))
+    return max(ms, 1000) / 2000
+
+
+class _KeptGauges:
+    """This process's live gauge series, re-set by one daemon thread every :func:`gauge_refresh_s`.
+    ``keep(key, record, value)``: ``record(value)`` is called at every refresh, ``value`` may be a
+    callable read then. ``drop(key)``: no longer re-set (Ray's agent ages the series out)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._kept: dict[Any, tuple[Any, Any]] = {}
+        self._thread: threading.Thread | None = None
+
+    def __contains__(self, key) -> bool:
+        return key in self._kept
+
+    def keep(self, key, record, value) -> None:
+        if key in self._kept:
+            self._kept[key] = (record, value)  # one dict store: vLLM's gauges land here every engine step
+            return
+        with self._lock:
+            self._kept[key] = (record, value)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rollout-service-gauges", daemon=True)
+                self._thread.start()
+
+    def drop(self, key) -> None:
+        with self._lock:
+            self._kept.pop(key, None)
+
+    def _run(self) -> None:
+        period = gauge_refresh_s()
+        while True:
+            time.sleep(period)
+            with self._lock:
+                current = list(self._kept.values())
+            for record, value in current:
+                try:
+                    record(value() if callable(value) else value)
+                except Exception:  # never let metrics take a process down
+                    pass
+
+
+KEPT_GAUGES = _KeptGauges()
+
+
+def kept_ray_stat_logger():
+    """vLLM's Ray stat logger (``ray_vllm_*``) whose gauges stay reported while the engine idles:
+    each gauge's last value is re-set with this process's own (:data:`KEPT_GAUGES`), as vLLM's own
+    Prometheus registry keeps serving a gauge's last value. ImportError without vLLM."""
+    from vllm.v1.metrics.ray_wrappers import RayGaugeWrapper, RayPrometheusStatLogger
+
+    class KeptRayGauge(RayGaugeWrapper):
+        def set(self, value):
+            metric, tags = self.metric, self._tags
+            metric.set(value, tags=tags)
+            KEPT_GAUGES.keep((id(metric), *tags.values()), lambda v, _m=metric, _t=tags: _m.set(v, tags=_t), value)
+
+    class KeptRayPrometheusStatLogger(RayPrometheusStatLogger):
+        _gauge_cls = KeptRayGauge
+
+    return KeptRayPrometheusStatLogger
+
+
 class _Series:
     """One metric with one label set, bound once: later records skip Ray's tag merge and checks."""
 
@@ -173,12 +250,9 @@ class ServiceMetrics:
         self._metrics: dict[str, Any] = {}
         self._series: dict[tuple, Any] = {}
         self._lock = threading.Lock()
-        # (name, labels) -> (series, value or a callable giving it), re-set every GAUGE_REFRESH_S
-        self._gauges: dict[tuple, tuple[Any, Any]] = {}
         self._in_flight = dict.fromkeys(CALL_MODES, 0)
         self._seen: dict[str, float] = {}  # rollout id -> monotonic time of its last call (active_rollouts)
         self._version: dict[str, str] = {}  # fleet -> the version it reports
-        self._refresher: threading.Thread | None = None
         if enabled:
             from ray.util import metrics as rm
 
@@ -209,27 +283,10 @@ class ServiceMetrics:
             return
         s = self.series(name, *labels)
         s.record(value() if callable(value) else value)
-        with self._lock:
-            self._gauges[(name, *labels)] = (s, value)
-            if self._refresher is None:
-                self._refresher = threading.Thread(target=self._refresh_gauges, name="rollout-service-metrics",
-                                                   daemon=True)
-                self._refresher.start()
+        KEPT_GAUGES.keep((name, *labels), s.record, value)
 
     def _drop_gauge(self, name: str, *labels: str) -> None:
-        with self._lock:
-            self._gauges.pop((name, *labels), None)
-
-    def _refresh_gauges(self) -> None:
-        while True:
-            time.sleep(GAUGE_REFRESH_S)
-            with self._lock:
-                current = list(self._gauges.values())
-            for s, value in current:
-                try:
-                    s.record(value() if callable(value) else value)
-                except Exception:  # never let metrics take a process down
-                    pass
+        KEPT_GAUGES.drop((name, *labels))
 
     # ------------------------------------------------------------ data plane: HTTP requests
     def request(self, route: str, status: int, seconds: float, obs: "RequestObservation | None" = None) -> None:
@@ -251,11 +308,11 @@ class ServiceMetrics:
     # ------------------------------------------------------------ data plane: turns
     def call_started(self, mode: str) -> None:
         """A call begins. The in-flight gauge is not recorded per call: Ray reports a gauge once per
-        interval anyway, so the refresher reads the count (up to GAUGE_REFRESH_S old)."""
+        interval anyway, so the refresher reads the count (up to gauge_refresh_s() old)."""
         if self.enabled:
             self.series("rollout_service_calls_total", mode).record(1)
             self._in_flight[mode] += 1
-            if ("rollout_service_calls_in_flight", mode) not in self._gauges:
+            if ("rollout_service_calls_in_flight", mode) not in KEPT_GAUGES:
                 self._gauge("rollout_service_calls_in_flight", lambda: self._in_flight[mode], mode)
 
     def rollout_seen(self, rollout_id: str) -> None:
@@ -263,7 +320,7 @@ class ServiceMetrics:
         call; the refresher thread counts and forgets the expired ones."""
         if self.enabled:
             self._seen[rollout_id] = time.monotonic()
-            if ("rollout_service_active_rollouts",) not in self._gauges:
+            if ("rollout_service_active_rollouts",) not in KEPT_GAUGES:
                 self._gauge("rollout_service_active_rollouts", self._active_rollouts)
 
     def _active_rollouts(self) -> int:

@@ -412,16 +412,18 @@ def engine_stat_loggers() -> list | None:
     stat logger, so they reach Ray's metrics pipeline and the node's metrics endpoint as ``ray_vllm_*``
     next to the service's (rollout_service.metrics). ``disable_log_stats`` stays on in the engine args:
     custom loggers alone switch vLLM's stats on without its periodic log lines or its own Prometheus
-    registry. None outside a Ray worker."""
+    registry. Its gauges stay reported while the engine idles (metrics.kept_ray_stat_logger). None
+    outside a Ray worker."""
     try:
         import ray
 
         if not ray.is_initialized():
             return None
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+        from rollout_service.metrics import kept_ray_stat_logger
+
+        return [kept_ray_stat_logger()]
     except ImportError:  # pragma: no cover - another vLLM
         return None
-    return [RayPrometheusStatLogger]
 
 
 def _apply_engine_env(config: EngineConfig) -> None:
