@@ -205,10 +205,14 @@ def kept_ray_stat_logger():
     from vllm.v1.metrics.ray_wrappers import RayGaugeWrapper, RayPrometheusStatLogger
 
     class KeptRayGauge(RayGaugeWrapper):
+        _kept = None  # (the tags it was made for, key, record): built once per labelled series
+
         def set(self, value):
-            metric, tags = self.metric, self._tags
+            metric, tags, kept = self.metric, self._tags, self._kept
             metric.set(value, tags=tags)
-            KEPT_GAUGES.keep((id(metric), *tags.values()), lambda v, _m=metric, _t=tags: _m.set(v, tags=_t), value)
+            if kept is None or kept[0] is not tags:  # labels() copies the object, with its _kept
+                kept = self._kept = (tags, (id(metric), *tags.values()), lambda v: metric.set(v, tags=tags))
+            KEPT_GAUGES.keep(kept[1], kept[2], value)
 
     class KeptRayPrometheusStatLogger(RayPrometheusStatLogger):
         _gauge_cls = KeptRayGauge
