@@ -105,6 +105,34 @@ def test_active_rollouts_counts_each_rollout_once_until_its_window_passes(monkey
     assert metrics._active_rollouts() == 0 and metrics._seen == {}
 
 
+def test_kept_gauges_are_re_set_every_half_export_interval_until_dropped(monkeypatch):
+    import rollout_service.metrics as m
+
+    def refresh_s(interval_ms: str) -> float:  # what a process of a Ray started with that interval reads
+        code = "from rollout_service.metrics import gauge_refresh_s; print(gauge_refresh_s())"
+        env = {**os.environ, "RAY_metrics_report_interval_ms": interval_ms}
+        return float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True, timeout=120).stdout)
+
+    assert refresh_s("3000") == 1.5
+    assert refresh_s("200") == 0.5  # Ray floors its export interval at 1 s
+
+    monkeypatch.setattr(m, "gauge_refresh_s", lambda: 0.02)
+    kept, seen, n = m._KeptGauges(), [], [0]
+    kept.keep("a", lambda v: seen.append(("a", v)), 1)
+    kept.keep("a", lambda v: seen.append(("a", v)), 2)  # a later set replaces the kept value
+    kept.keep("b", lambda v: seen.append(("b", v)), lambda: n[0])  # a callable is read at each refresh
+    assert "a" in kept and "b" in kept
+    n[0] = 7
+    time.sleep(0.2)
+    assert ("a", 2) in seen and ("b", 7) in seen and ("a", 1) not in seen
+    kept.drop("a")
+    time.sleep(0.05)
+    seen.clear()
+    time.sleep(0.2)
+    assert seen and {k for k, _ in seen} == {"b"}  # dropped: no longer re-set
+
+
 def test_grafana_dashboard_imports_and_queries_only_metrics_that_exist():
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36
