@@ -472,6 +472,11 @@ ROWS = _rows() + [
       for label, value in (("bool", [151644, True]), ("out-of-vocab", [VOCAB]), ("not-a-list", "151644"))],
     p(Bad("tokenize", {"messages": DROP, "prompt": "hi", "required_prefix_token_ids": [151644]},
           param="required_prefix_token_ids"), id="tokenize-required-prefix-with-a-prompt"),
+    # Malformed on the prompt form, where a prefix does not apply: refused as malformed, never ignored.
+    *[p(Bad("tokenize", {"messages": DROP, "prompt": "hi", "required_prefix_token_ids": value},
+            param="required_prefix_token_ids", code="invalid_required_prefix"),
+        id=f"tokenize-prompt-form-required-prefix-{label}")
+      for label, value in (("false", False), ("zero", 0), ("empty-string", ""), ("object", {}), ("bool-entry", [True]))],
     *[p(Bad(route, {"messages": [{"role": "user", "content": "x"}], "required_prefix_token_ids": [151644, 872]},
             headers=NO_ROLLOUT, param="required_prefix_token_ids", code="prefix_not_continuable"),
         id=f"{route}-required-prefix-without-assistant-message") for route in ("chat", "tokenize")],

@@ -1,4 +1,5 @@
-"""The app's own OpenAPI schema, fuzzed against the running service: no request is a 5xx.
+"""The app's own OpenAPI schema, fuzzed against the running service: no request is a 5xx, and
+every answer's status and content type are ones the schema documents for the operation.
 
 schemathesis loads ``/openapi.json`` from the live app (every route declares its body and its
 headers, so the schema describes what a client may send) and, for every operation, sends requests
@@ -117,6 +118,12 @@ def _check(case, base_url: str) -> None:
     response = case.call(base_url=base_url, timeout=120)
     where = f"{case.as_curl_command()}\n-> {response.status_code} {response.text[:2000]}"
     assert response.status_code < 500, where
+    # The schema tells the truth about the answer: its status is one the operation documents, its
+    # content type one documented for that status.
+    documented = case.operation.definition.raw["responses"]
+    assert str(response.status_code) in documented, f"undocumented status ({sorted(documented)}): {where}"
+    media = (response.headers.get("content-type") or [""])[0].split(";")[0]  # schemathesis: header -> values
+    assert media in documented[str(response.status_code)].get("content", {}), f"undocumented {media}: {where}"
     if response.status_code >= 400:
         try:
             err = json.loads(response.content)["error"]
@@ -155,3 +162,31 @@ def test_no_request_the_schema_allows_or_breaks_is_a_server_error(app_schema, se
             except Exception as exc:  # the minimized example's failure (or Flaky, when shrinking ran past the budget)
                 failures.append(f"{op.method.upper()} {op.path} ({mode.value}): {exc}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_the_schema_documents_every_error_as_the_envelope_and_no_validation_422(app_schema, service):
+    """FastAPI's default 422 (its own validation-error body) is never answered here: validation errors
+    are 400s with the OpenAI envelope, which every documented error status carries."""
+    raw = httpx.get(f"{service.url}/openapi.json").json()
+    assert "HTTPValidationError" not in json.dumps(raw)
+    for path, ops in raw["paths"].items():
+        for method, op in ops.items():
+            errors = {s: r for s, r in op["responses"].items() if int(s) >= 400}
+            assert errors, f"{method} {path} documents no error"
+            for status, answer in errors.items():
+                assert answer["content"] == {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}, (
+                    method, path, status)
+    assert set(raw["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]) == {
+        "application/json", "text/event-stream"}
+    assert set(raw["paths"]["/rollouts/{rollout_id}/view"]["get"]["responses"]["200"]["content"]) == {"text/html"}
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("OPTIONS", "/v1/rollouts/some-id", "DELETE, GET"),  # two routes share the path: both named
+    ("PUT", "/v1/chat/completions", "POST"),
+    ("TRACE", "/health", "GET, HEAD"),
+])
+def test_an_undeclared_method_is_a_405_whose_allow_names_every_method_of_the_path(service, method, path, allowed):
+    r = httpx.request(method, f"{service.url}{path}", timeout=60)
+    assert r.status_code == 405 and r.headers["allow"] == allowed, (r.status_code, r.headers, r.text)
+    assert r.json()["error"]["type"] == "invalid_request_error"

@@ -45,6 +45,20 @@ class ServiceError(Exception):
         return cls(result["__error__"], e["message"], type=e.get("type") or "", param=e.get("param"), code=e.get("code"))
 
 
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The envelope every error answer carries (:meth:`ServiceError.envelope`), as the OpenAPI schema
+    documents it (OpenAI's error object)."""
+
+    error: ErrorObject
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ServiceError:
     return ServiceError(400, message, param=param, code=code)
 
@@ -61,9 +75,20 @@ class ToolCall(_Lenient):
     function: FunctionCall
 
 
+# The JSON Schema of what the validators below accept (the OpenAPI schema; a fuzzer generating from
+# it sends what is served): text parts only, and content required except on assistant messages.
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"enum": ["text", "input_text", "output_text"]}, "text": {"type": "string"}}}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
+_CONTENT_UNLESS_ASSISTANT = {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
+                                       {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}]}
+
+
 class ChatMessage(_Lenient):
+    model_config = ConfigDict(json_schema_extra=_CONTENT_UNLESS_ASSISTANT)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_CONTENT)] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -409,7 +434,13 @@ class ChatCompletionRequest(SamplingFields):
 # ----------------------------------------------------------------------------- completions
 class CompletionRequest(SamplingFields):
     model: str
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]], WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+         "minItems": 1, "maxItems": 1},
+    ]})]
     stream: StrictBool = False
     logprobs: StrictInt | None = None
     return_token_ids: StrictBool | None = None
@@ -434,7 +465,8 @@ class CompletionRequest(SamplingFields):
 # ----------------------------------------------------------------------------- responses
 class ResponsesRequest(SamplingFields):
     model: str
-    input: str | list[dict[str, Any]]
+    input: Annotated[str | list[dict[str, Any]], WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "object"}, "minItems": 1}]})]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     # "auto" | "none" | "required" | {"type": "function", "name"} | {"type": "allowed_tools", "mode", "tools"};
@@ -466,7 +498,19 @@ class ResponsesRequest(SamplingFields):
 
 
 # ----------------------------------------------------------------------------- tokenize
+_NOTHING = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+
+
 class TokenizeRequest(_Lenient):
+    # The forms as JSON Schema (the OpenAPI schema), as _one_of and refuse_unhonoured check them.
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"},
+                                                "required_prefix_token_ids": _NOTHING}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1},
+                                                  "prompt": {"type": "null"}, "add_generation_prompt": {"const": True},
+                                                  "add_special_tokens": {"const": False}}},
+    ]})
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

@@ -34,9 +34,9 @@ import os
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -49,6 +49,7 @@ from rollout_service.metrics import RequestObservation, get_metrics
 from rollout_service.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     ResponsesRequest,
     ServiceError,
     TokenizeRequest,
@@ -65,6 +66,7 @@ from rollout_service.serve.turn_types import (
     TurnRequest,
     TurnResult,
 )
+from rollout_service.store.base import ROLLOUT_ID_PATTERN
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +287,60 @@ def _param_of(loc) -> str | None:
 _UNION_TAG = re.compile(r"str|int|float|bool|none|[A-Z]\w*|[\w-]+\[.*\]")
 
 
+# What each error status means, as the OpenAPI schema documents it per route (every one carries
+# the OpenAI error envelope: ErrorResponse).
+_ERROR_MEANINGS = {
+    400: "A client mistake (the message names the field): nothing was run or stored.",
+    401: "Missing or wrong API key (when the service is configured with one).",
+    404: "Unknown model, or no such rollout.",
+    409: "The history contradicts the rollout's stored one under X-History-Policy: reject (or echo fields "
+         "contradict it): nothing was stored.",
+    413: "The request body is larger than the service accepts.",
+    422: "Idempotency-Key reused with a different request on this rollout.",
+    500: "An unexpected failure of the service: nothing was stored; retrying is safe.",
+    503: "Not ready, or no engine or store available right now: nothing was stored; retry.",
+    507: "The rollout store is full: the turn was not stored.",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a route: the error statuses it can answer, each with the envelope's schema."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]} for status in statuses}
+
+
+# With "stream": true a generation answers server-sent events.
+_STREAMED = {200: {"description": "The answer; server-sent events with \"stream\": true.",
+                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+_TURN_ERRORS = {**_STREAMED, **_errors(400, 401, 404, 409, 413, 422, 500, 503, 507)}
+_ROLLOUT_ERRORS = _errors(400, 401, 404, 503)
+
+
+def _openapi_without_validation_errors(app: FastAPI):
+    """FastAPI documents a 422 with its own validation-error body on every route with parameters;
+    this service answers validation errors as a 400 with the OpenAI envelope (``_validation``), so
+    those are dropped (a route's own 422, an Idempotency-Key reuse, stays)."""
+    default = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = default()
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    answer = op.get("responses", {}).get("422", {})
+                    if "HTTPValidationError" in str(answer.get("content", "")):
+                        del op["responses"]["422"]
+                    for status, answer in op.get("responses", {}).items():  # errors are JSON on HTML routes too
+                        content = answer.get("content", {})
+                        if int(status) >= 400 and "text/html" in content:
+                            content["application/json"] = content.pop("text/html")
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 def create_app() -> FastAPI:
     app = FastAPI(title="rollout-service", version="0.2.0",
                   description="OpenAI-compatible generations for RL rollouts, exactly on-policy at the token level.",
@@ -299,8 +355,13 @@ def create_app() -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        headers = exc.headers
+        if exc.status_code == 405:  # Allow (RFC 9110): every method of the path, not only its first route's
+            methods = {m for r in request.app.routes if r.matches(request.scope)[0] != Match.NONE
+                       for m in (getattr(r, "methods", None) or ())}
+            headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))} if methods else headers
         return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}},
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -314,6 +375,7 @@ def create_app() -> FastAPI:
             return error_response(bad_request("request body is required"))
         return error_response(bad_request(f"{param}: {msg}" if param else msg, param=param))
 
+    app.openapi = _openapi_without_validation_errors(app)
     return app
 
 
@@ -359,6 +421,10 @@ def _unexpected(exc: Exception) -> tuple[int, dict[str, Any]]:
 # The viewer's page loads nothing and runs nothing: token text is escaped, and this makes sure.
 _VIEWER_HEADERS = {"content-security-policy": "default-src 'none'; style-src 'unsafe-inline'",
                    "x-content-type-options": "nosniff"}
+
+
+# The rule, documented in the OpenAPI schema; checked by _path_rollout_id (a 400 naming the parameter).
+RolloutIdPath = Annotated[str, Path(json_schema_extra={"pattern": ROLLOUT_ID_PATTERN})]
 
 
 def _path_rollout_id(rollout_id: str) -> str:
@@ -604,27 +670,27 @@ class RolloutService:
         return Response(body.model_dump_json(exclude_unset=True), media_type="application/json", headers=headers)
 
     # ------------------------------------------------------------------ routes
-    @fastapi_app.post("/v1/chat/completions")
+    @fastapi_app.post("/v1/chat/completions", responses=_TURN_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request,
                                headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
         turn = chat.turn_request(body, headers)
         return await self._answer(self._events(turn, request), chat, body, body.stream)
 
-    @fastapi_app.post("/v1/responses")
+    @fastapi_app.post("/v1/responses", responses=_TURN_ERRORS)
     async def responses(self, body: ResponsesRequest, request: Request,
                         headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
         turn = responses.turn_request(body, headers)
         return await self._answer(self._events(turn, request), responses, body, body.stream)
 
-    @fastapi_app.post("/v1/completions")
+    @fastapi_app.post("/v1/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 500, 503)})
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
         runner = await self._runner_or_503()
         return await self._answer(runner.run_completion(completions.call(body)), completions, body, body.stream)
 
-    @fastapi_app.post("/tokenize")
+    @fastapi_app.post("/tokenize", responses=_errors(400, 401, 404, 409, 413, 503))
     async def tokenize(self, body: TokenizeRequest, headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
         body.refuse_unhonoured()
@@ -637,21 +703,21 @@ class RolloutService:
                   "required_prefix_token_ids": body.required_prefix_token_ids}
         return JSONResponse(await self._read("tokenize", kwargs))
 
-    @fastapi_app.get("/v1/rollouts/{rollout_id}")
-    async def get_rollout(self, rollout_id: str):
+    @fastapi_app.get("/v1/rollouts/{rollout_id}", responses=_ROLLOUT_ERRORS)
+    async def get_rollout(self, rollout_id: RolloutIdPath):
         return JSONResponse(await self._read("get_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))
 
-    @fastapi_app.delete("/v1/rollouts/{rollout_id}")
-    async def delete_rollout(self, rollout_id: str):
+    @fastapi_app.delete("/v1/rollouts/{rollout_id}", responses=_ROLLOUT_ERRORS)
+    async def delete_rollout(self, rollout_id: RolloutIdPath):
         return JSONResponse(await self._read("delete_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))
 
-    @fastapi_app.get("/rollouts/{rollout_id}/view")
-    async def view_rollout(self, rollout_id: str):
+    @fastapi_app.get("/rollouts/{rollout_id}/view", response_class=HTMLResponse, responses=_ROLLOUT_ERRORS)
+    async def view_rollout(self, rollout_id: RolloutIdPath):
         """The trajectory viewer: one self-contained page; the policy forbids anything external or scripted."""
         page = await self._read("view_rollout", {"rollout_id": _path_rollout_id(rollout_id)})
         return HTMLResponse(page, headers=_VIEWER_HEADERS)
 
-    @fastapi_app.get("/v1/status")
+    @fastapi_app.get("/v1/status", responses=_errors(401, 503))
     async def status(self):
         """Operator's view (``rollout-service status``): engines, the last refit, stored rollouts.
 
@@ -683,14 +749,15 @@ class RolloutService:
             "errors": errors,
         })
 
-    @fastapi_app.get("/v1/models")
+    @fastapi_app.get("/v1/models", responses=_errors(401))
     async def models(self):
         return JSONResponse({"object": "list", "data": [{
             "id": self.served_name, "object": "model", "created": int(time.time()), "owned_by": "rollout-service",
             "root": self.model_root, "parent": None, "max_model_len": self.config.engine.max_model_len,
         }]})
 
-    @fastapi_app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
+    @fastapi_app.head("/health", responses=_errors(503))  # load balancers probe with either
+    @fastapi_app.get("/health", responses=_errors(503))
     async def health(self):
         try:
             runner = await asyncio.wait_for(self._ready(), timeout=30)

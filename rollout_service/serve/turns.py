@@ -205,7 +205,8 @@ class TurnRunner:
                        return_token_strs: bool, required_prefix_token_ids: Any = None) -> dict[str, Any]:
         """The prompt ids the next call of this rollout would use (nothing generated or stored)."""
         if prompt is not None:
-            if required_prefix_token_ids:
+            if required_prefix_token_ids is not None and self._required_prefix(
+                    TurnRequest(messages=[], required_prefix_token_ids=required_prefix_token_ids)):
                 raise bad_request("required_prefix_token_ids applies to the messages form of /tokenize (a prompt is "
                                   "tokenized as given)", param="required_prefix_token_ids")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)

@@ -24,6 +24,7 @@ from rollout_service.onpolicy.types import RolloutState, TurnDelta
 # of those, so the charset is the intersection that is safe everywhere.
 ROLLOUT_ID_MAX_LEN = 128
 _ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,%d}" % ROLLOUT_ID_MAX_LEN)
+ROLLOUT_ID_PATTERN = f"^{_ROLLOUT_ID_RE.pattern}$"  # the same rule as a JSON Schema pattern (the OpenAPI schema)
 
 
 class StoreError(Exception):

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from rollout_service.protocol.openai import ServiceError, bad_request
 from rollout_service.serve.turn_types import ToolChoice
-from rollout_service.store.base import InvalidRolloutId, validate_rollout_id
+from rollout_service.store.base import ROLLOUT_ID_PATTERN, InvalidRolloutId, validate_rollout_id
 
 HISTORY_POLICIES = ("fork", "reject")
 IDEMPOTENCY_KEY_MAX_LEN = 255
@@ -34,14 +34,27 @@ class RolloutHeaders:
                               self.idempotency_key)
 
 
+# The documented rules of these headers as JSON Schema, for the OpenAPI schema only: the checks
+# themselves are below, so a violation is the 400 naming the header, not pydantic's message.
+_ROLLOUT_ID_SCHEMA = {"pattern": ROLLOUT_ID_PATTERN}
+
+
 def rollout_headers(
     x_rollout_id: Annotated[str | None, Header(description="The rollout this call belongs to (same id for every call "
-                                                           "of an episode). Routes the call to the replica that owns it.")] = None,
-    x_session_id: Annotated[str | None, Header(description="Alias of X-Rollout-Id (SkyRL / prime-rl / vllm-router "
-                                                           "convention).")] = None,
-    x_history_policy: Annotated[str | None, Header(description="fork (default) or reject: what an edited history does.")] = None,
+                                                           "of an episode). Routes the call to the replica that owns it. "
+                                                           "X-Session-ID is accepted as its alias (the SkyRL / prime-rl / "
+                                                           "vllm-router convention); sent with X-Rollout-Id, it must "
+                                                           "name the same rollout (400 otherwise).",
+                                               json_schema_extra=_ROLLOUT_ID_SCHEMA)] = None,
+    # The alias is left out of the OpenAPI schema: one header per parameter there, so a client built
+    # from the schema (or a fuzzer) never sends two that disagree; X-Rollout-Id's description names it.
+    x_session_id: Annotated[str | None, Header(include_in_schema=False)] = None,
+    x_history_policy: Annotated[str | None, Header(description="fork (default) or reject: what an edited history does.",
+                                                   json_schema_extra={"enum": list(HISTORY_POLICIES)})] = None,
     idempotency_key: Annotated[str | None, Header(description="A retry with the same key returns the stored answer of "
-                                                              "the first call instead of running again.")] = None,
+                                                              "the first call instead of running again.",
+                                                  json_schema_extra={"minLength": 1,
+                                                                     "maxLength": IDEMPOTENCY_KEY_MAX_LEN})] = None,
 ) -> RolloutHeaders:
     rid = _valid_rollout_id(x_rollout_id, "X-Rollout-Id") if x_rollout_id is not None else None
     sid = _valid_rollout_id(x_session_id, "X-Session-ID") if x_session_id is not None else None
