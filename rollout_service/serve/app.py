@@ -34,9 +34,9 @@ import os
 import re
 import time
 import uuid
-from typing import Annotated, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
-from fastapi import Depends, FastAPI, Path, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -56,7 +56,7 @@ from rollout_service.protocol.openai import (
     bad_request,
 )
 from rollout_service.serve.dialects import chat, completions, responses
-from rollout_service.serve.dialects.common import RolloutHeaders, rollout_headers, unicode_body
+from rollout_service.serve.dialects.common import RolloutHeaders, RolloutIdPath, rollout_headers, unicode_body
 from rollout_service.serve.routing import ROUTER_CLASS
 from rollout_service.serve.turn_types import (
     TokenDelta,
@@ -66,7 +66,6 @@ from rollout_service.serve.turn_types import (
     TurnRequest,
     TurnResult,
 )
-from rollout_service.store.base import ROLLOUT_ID_PATTERN
 
 logger = logging.getLogger(__name__)
 
@@ -327,7 +326,8 @@ def _openapi_without_validation_errors(app: FastAPI):
             for ops in schema.get("paths", {}).values():
                 for op in ops.values():
                     answer = op.get("responses", {}).get("422", {})
-                    if "HTTPValidationError" in str(answer.get("content", "")):
+                    ref = answer.get("content", {}).get("application/json", {}).get("schema", {}).get("$ref")
+                    if ref == "#/components/schemas/HTTPValidationError":
                         del op["responses"]["422"]
                     for status, answer in op.get("responses", {}).items():  # errors are JSON on HTML routes too
                         content = answer.get("content", {})
@@ -421,10 +421,6 @@ def _unexpected(exc: Exception) -> tuple[int, dict[str, Any]]:
 # The viewer's page loads nothing and runs nothing: token text is escaped, and this makes sure.
 _VIEWER_HEADERS = {"content-security-policy": "default-src 'none'; style-src 'unsafe-inline'",
                    "x-content-type-options": "nosniff"}
-
-
-# The rule, documented in the OpenAPI schema; checked by _path_rollout_id (a 400 naming the parameter).
-RolloutIdPath = Annotated[str, Path(json_schema_extra={"pattern": ROLLOUT_ID_PATTERN})]
 
 
 def _path_rollout_id(rollout_id: str) -> str:

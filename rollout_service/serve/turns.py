@@ -157,9 +157,9 @@ class TurnRunner:
         except _CLIENT_ERRORS as exc:
             raise _core_error(exc) from None
 
-    def _required_prefix(self, req: TurnRequest) -> list[int] | None:
+    def _required_prefix(self, value: Any) -> list[int] | None:
         try:
-            return checked_prefix(req.required_prefix_token_ids, self.vocab_size)
+            return checked_prefix(value, self.vocab_size)
         except InvalidPrefix as exc:
             raise _core_error(exc) from None
 
@@ -205,15 +205,14 @@ class TurnRunner:
                        return_token_strs: bool, required_prefix_token_ids: Any = None) -> dict[str, Any]:
         """The prompt ids the next call of this rollout would use (nothing generated or stored)."""
         if prompt is not None:
-            if required_prefix_token_ids is not None and self._required_prefix(
-                    TurnRequest(messages=[], required_prefix_token_ids=required_prefix_token_ids)):
+            if self._required_prefix(required_prefix_token_ids):  # malformed: its own 400, never ignored
                 raise bad_request("required_prefix_token_ids applies to the messages form of /tokenize (a prompt is "
                                   "tokenized as given)", param="required_prefix_token_ids")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             req = TurnRequest(messages=messages or [], tools=tools, chat_template_kwargs=chat_template_kwargs,
                               rollout_id=_rollout_id(rollout_id), required_prefix_token_ids=required_prefix_token_ids)
-            prefix = self._required_prefix(req)
+            prefix = self._required_prefix(req.required_prefix_token_ids)
             if req.rollout_id is None and prefix is None:
                 state, msgs = self._echo_state(req)
             elif req.rollout_id is None:
@@ -367,7 +366,7 @@ class TurnRunner:
         # block: the whole output is the answer, not reasoning the parser would assume it is.
         reasoning_parser = None if _grammar_from_start(req, structured) else self.config.engine.reasoning_parser
         sampling = self._sampling(req.sampling, req.top_logprobs, structured)
-        prefix = self._required_prefix(req)
+        prefix = self._required_prefix(req.required_prefix_token_ids)
         if rollout_id is None and prefix is None:
             state, messages = self._echo_state(req)
         try:

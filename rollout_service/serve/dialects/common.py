@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Header, Request
+from fastapi import Header, Path, Request
 from pydantic import BaseModel
 
 from rollout_service.protocol.openai import ServiceError, bad_request
@@ -34,9 +34,11 @@ class RolloutHeaders:
                               self.idempotency_key)
 
 
-# The documented rules of these headers as JSON Schema, for the OpenAPI schema only: the checks
-# themselves are below, so a violation is the 400 naming the header, not pydantic's message.
+# The documented rules of rollout ids and these headers as JSON Schema, for the OpenAPI schema only:
+# the checks themselves are _valid_rollout_id and rollout_headers, so a violation is the 400 naming
+# the parameter, not pydantic's message.
 _ROLLOUT_ID_SCHEMA = {"pattern": ROLLOUT_ID_PATTERN}
+RolloutIdPath = Annotated[str, Path(json_schema_extra=_ROLLOUT_ID_SCHEMA)]  # /v1/rollouts/{rollout_id}
 
 
 def rollout_headers(
