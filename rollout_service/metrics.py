@@ -155,7 +155,7 @@ def gauge_refresh_s() -> float:
     return max(ms, 1000) / 2000
 
 
-class _KeptGauges:
+class KeptGauges:
     """This process's live gauge series, re-set by one daemon thread every :func:`gauge_refresh_s`.
     ``keep(key, record, value)``: ``record(value)`` is called at every refresh, ``value`` may be a
     callable read then. ``drop(key)``: no longer re-set (Ray's agent ages the series out)."""
@@ -195,7 +195,7 @@ class _KeptGauges:
                     pass
 
 
-KEPT_GAUGES = _KeptGauges()
+KEPT_GAUGES = KeptGauges()
 
 
 def kept_ray_stat_logger():

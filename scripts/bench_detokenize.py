@@ -22,7 +22,7 @@ import platform
 import statistics
 import time
 
-from rollout_service.runtime import apply_local_env
+from rollout_service.ops.runtime import apply_local_env
 
 apply_local_env()
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the engine core in a child: this process = the front end
@@ -30,7 +30,7 @@ TEXT_ON = [False]  # the variant the current block runs (blocks run one at a tim
 
 
 async def block(replica, n_calls: int, concurrency: int, tokens: int, detokenize: bool, seed0: int):
-    from rollout_service.engine.replica import GenerateRequest
+    from rollout_service.engine.types import GenerateRequest
     from rollout_service.engine.sampling import SamplingOptions
 
     TEXT_ON[0] = detokenize
@@ -54,7 +54,7 @@ async def main(args) -> None:
     from rollout_service.config import EngineConfig
     from rollout_service.engine import sampling
     from rollout_service.engine.replica import EngineReplica
-    from rollout_service.tiny_model import ensure_tiny_model
+    from rollout_service.ops.tiny_model import ensure_tiny_model
 
     to_vllm = sampling.SamplingOptions.to_vllm
 

@@ -33,13 +33,13 @@ import statistics
 import sys
 import time
 
-from rollout_service.runtime import apply_local_env
+from rollout_service.ops.runtime import apply_local_env
 
 apply_local_env()
 
 
 async def run_level(actor, n: int, tokens: int, window: float | None = None) -> dict:
-    from rollout_service.engine.replica import GenerateRequest
+    from rollout_service.engine.types import GenerateRequest
     from rollout_service.engine.sampling import SamplingOptions
 
     async def one(i: int):
@@ -79,7 +79,7 @@ def _process_cpu_s(pids: list[int]) -> float:
 
 async def stream_cost(actor, windows: list[str], tokens: int, calls: int) -> list[dict]:
     """Per variant, the medians over ``calls`` sequential calls (variants interleaved call by call)."""
-    from rollout_service.engine.replica import GenerateRequest
+    from rollout_service.engine.types import GenerateRequest
     from rollout_service.engine.sampling import SamplingOptions
 
     info = await actor.process_info.remote()
@@ -175,8 +175,8 @@ def main(argv=None) -> int:
 
     from rollout_service.config import EngineConfig
     from rollout_service.engine.replica import create_engine_actor
-    from rollout_service.runtime import start_local_ray
-    from rollout_service.tiny_model import ensure_tiny_model
+    from rollout_service.ops.runtime import start_local_ray
+    from rollout_service.ops.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model()
     start_local_ray()

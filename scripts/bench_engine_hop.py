@@ -19,7 +19,7 @@ import platform
 import statistics
 import time
 
-from rollout_service.runtime import apply_local_env
+from rollout_service.ops.runtime import apply_local_env
 
 apply_local_env()
 
@@ -38,7 +38,7 @@ def _actor_class():
             self._channel = None
 
         async def _one(self, request):
-            from rollout_service.engine.replica import GenerationChunk
+            from rollout_service.engine.types import GenerationChunk
 
             await asyncio.sleep(GEN_S)
             return GenerationChunk(token_ids=list(range(1000, 1000 + TOKENS)), logprobs=[-0.5] * TOKENS,
@@ -64,7 +64,7 @@ def _actor_class():
 
 
 async def block(client, member, actor, n: int, concurrency: int, stream: bool) -> tuple[float, float]:
-    from rollout_service.engine.replica import GenerateRequest
+    from rollout_service.engine.types import GenerateRequest
     from rollout_service.engine.sampling import SamplingOptions
 
     sem = asyncio.Semaphore(concurrency)
@@ -84,7 +84,7 @@ async def block(client, member, actor, n: int, concurrency: int, stream: bool) -
 
 async def main(args) -> list[tuple]:
     from rollout_service.fleet.client import FleetClient
-    from rollout_service.fleet.fleet import FleetView, Member
+    from rollout_service.fleet.types import FleetView, Member
 
     actor = _actor_class().options(max_concurrency=10_000, enable_task_events=False).remote()
     address = await actor.open_channel.remote()

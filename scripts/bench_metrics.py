@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_service.runtime import apply_local_env, shutdown_local_ray, start_local_ray  # noqa: E402
+from rollout_service.ops.runtime import apply_local_env, shutdown_local_ray, start_local_ray  # noqa: E402
 
 apply_local_env()
 

@@ -7,7 +7,7 @@ replica's steps and writes one JSON line per HTTP request to
 ``$BENCH_PHASES_DIR/phases-<pid>.jsonl``:
 
 - ``asgi``: the FastAPI app's whole handling of the request (from its outermost middleware,
-  ``serve.app._Metered`` or else ``_Guard``: body read and validation, the route, the response
+  ``serve.http.Metered``: body read and validation, the route, the response
   sent back to Serve, the request's metrics), wall ms,
   and ``asgi_thread_cpu`` (CPU of the thread running it over that span: the request's own CPU at
   one request at a time, more when requests overlap);
@@ -99,7 +99,7 @@ def _agen(fn, name):
 def install() -> None:
     from ray import serve
 
-    from rollout_service.serve import app, turn_types, turns
+    from rollout_service.serve import http, turn_types, turns
     from rollout_service.serve.dialects import chat
 
     runner = turns.TurnRunner
@@ -116,8 +116,8 @@ def install() -> None:
     chat.turn_request = _sync(chat.turn_request, "dialect_in")
     chat.response = _sync(chat.response, "dialect_out")
 
-    # The outermost middleware of the app: the metrics middleware where there is one, else the guard.
-    outer = getattr(app, "_Metered", None) or app._Guard
+    # The outermost middleware of the app: the metrics middleware.
+    outer = http.Metered
     guard_call = outer.__call__
 
     async def timed_guard(self, scope, receive, send):

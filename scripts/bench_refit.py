@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollout_service.runtime import apply_local_env  # noqa: E402
+from rollout_service.ops.runtime import apply_local_env  # noqa: E402
 
 apply_local_env()
 
@@ -44,7 +44,7 @@ MODELS = {
 
 
 def model_dir(size: str, root: Path) -> Path:
-    from rollout_service.tiny_model import build_tiny_model, ensure_tiny_model
+    from rollout_service.ops.tiny_model import build_tiny_model, ensure_tiny_model
 
     if MODELS[size] is None:
         return ensure_tiny_model()
@@ -82,7 +82,7 @@ def bench_one(size: str, root: Path, repeats: int, bucket_bytes: int, transports
 
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.refit.client import TrainerClient
-    from rollout_service.engine.collective import bucket_size, plan_for_state_dict
+    from rollout_service.weights.collective import bucket_size, plan_for_state_dict
     from rollout_service.refit.controller import RefitController
 
     mdir = model_dir(size, root)
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     args = ap.parse_args(argv)
 
-    from rollout_service.runtime import start_local_ray
+    from rollout_service.ops.runtime import start_local_ray
 
     start_local_ray()
     root = Path(args.models_dir) if args.models_dir else Path(tempfile.mkdtemp(prefix="bench-refit-"))

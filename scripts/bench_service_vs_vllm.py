@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 try:  # before Ray is imported
-    from rollout_service.runtime import apply_local_env
+    from rollout_service.ops.runtime import apply_local_env
 except ImportError:  # older checkouts: the same defaults by hand
     def apply_local_env() -> None:
         for k, v in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -422,7 +422,7 @@ class VLLMServer:
 # --------------------------------------------------------------------------- the service
 def start_service(cfg, data_dir: Path, kind: str = "service"):
     """LocalService under the Serve proxy mode of ``kind`` (its env set before Ray starts)."""
-    from rollout_service.serve.launcher import LocalService
+    from rollout_service.ops.launcher import LocalService
 
     for env in SERVE_MODE_ENV.values():
         for k in env:
@@ -749,9 +749,9 @@ def redeploy_instrumented(svc, hook_dir: Path) -> None:
     """The same app, replica access logs on and bench_phases_hook in every replica (new replicas)."""
     from ray import serve
 
-    from rollout_service.runtime import RAY_ENV
+    from rollout_service.ops.runtime import RAY_ENV
     from rollout_service.serve.app import build_app
-    from rollout_service.serve.launcher import APP_NAME
+    from rollout_service.ops.launcher import APP_NAME
 
     cfg = svc.config.model_copy(deep=True)
     cfg.service.access_log = True
@@ -1037,7 +1037,7 @@ def engine_probe(controller, prompts: list[tuple[list[int], int]], max_tokens: i
     """Sequential calls straight to the engine actor (Ray actor call + vLLM AsyncLLM), no HTTP/Serve/Redis."""
     import ray
 
-    from rollout_service.engine.replica import GenerateRequest
+    from rollout_service.engine.types import GenerateRequest
     from rollout_service.engine.sampling import SamplingOptions
 
     engine = ray.get(controller.get_engines.remote())[0]
@@ -1113,7 +1113,7 @@ def main() -> int:
                          "process (it reads RAY_SERVE_ENABLE_HA_PROXY at import): use level pairing")
 
     from rollout_service.config import RolloutServiceConfig
-    from rollout_service.tiny_model import ensure_tiny_model
+    from rollout_service.ops.tiny_model import ensure_tiny_model
 
     t_start = time.time()
     info = machine_info()

@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 import uuid
 
 import numpy as np
@@ -37,7 +38,8 @@ from rollout_service.onpolicy.types import RolloutState, Segment, TurnDelta, Tur
 from rollout_service.store import EmbeddedRedis, RedisRolloutStore, TurnConflict
 from rollout_service.store.cache import CachedRolloutStore
 from rollout_service.store.codec import IDS_DTYPE, LOGPROBS_DTYPE, MASK_DTYPE
-from rollout_service.store.testing import synthetic_delta, synthetic_rollout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the suite's synthetic rollouts
+from synthetic_rollouts import synthetic_delta, synthetic_rollout  # noqa: E402
 
 _CAS_SET = """
 if (redis.call('GET', KEYS[1]) or '0') ~= ARGV[1] then return 0 end

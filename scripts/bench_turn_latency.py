@@ -142,7 +142,7 @@ def engine_probe(svc, vllm_url: str, prompts: dict[int, list[int]], reps: int, m
     import httpx
     import ray
 
-    from rollout_service.engine.replica import GenerateRequest
+    from rollout_service.engine.types import GenerateRequest
     from rollout_service.engine.sampling import SamplingOptions
 
     engine = ray.get(svc.controller.get_engines.remote())[0]
@@ -194,7 +194,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from rollout_service.config import RolloutServiceConfig
-    from rollout_service.tiny_model import ensure_tiny_model
+    from rollout_service.ops.tiny_model import ensure_tiny_model
 
     t_start = time.time()
     info = base.machine_info()

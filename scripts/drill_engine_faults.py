@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_service.runtime import apply_local_env  # noqa: E402
+from rollout_service.ops.runtime import apply_local_env  # noqa: E402
 
 apply_local_env()
 
@@ -153,7 +153,7 @@ class Drill:
 
 async def drill(args) -> list[dict]:
     from rollout_service.config import RolloutServiceConfig
-    from rollout_service.serve.launcher import LocalService
+    from rollout_service.ops.launcher import LocalService
 
     cfg = RolloutServiceConfig.model_validate({
         "engine": {"num_engines": 2, "num_cpus_per_engine": 0},

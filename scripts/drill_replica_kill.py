@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_service.runtime import apply_local_env  # noqa: E402
+from rollout_service.ops.runtime import apply_local_env  # noqa: E402
 
 apply_local_env()
 
@@ -114,7 +114,7 @@ class Agents:
 
 async def drill(args) -> dict:
     from rollout_service.config import RolloutServiceConfig
-    from rollout_service.serve.launcher import LocalService
+    from rollout_service.ops.launcher import LocalService
 
     cfg = RolloutServiceConfig.model_validate({"service": {"num_affinity_replicas": 2}})
     svc = LocalService(cfg, port=free_port(), proxy=args.proxy, log=lambda *a: print(*a, flush=True))
@@ -151,7 +151,7 @@ async def drill(args) -> dict:
         }
     finally:
         await asyncio.to_thread(svc.stop)
-        from rollout_service.runtime import shutdown_local_ray
+        from rollout_service.ops.runtime import shutdown_local_ray
 
         shutdown_local_ray()
 

@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 
-from rollout_service.runtime import apply_local_env  # noqa: E402
+from rollout_service.ops.runtime import apply_local_env  # noqa: E402
 
 apply_local_env()
 
@@ -91,7 +91,7 @@ class Trainer:
                 "tokens": len(msg.get("generation_token_ids") or [])}
 
     async def _rollout_direct(self, i: int, step: int, engines) -> dict:
-        from rollout_service.engine.replica import GenerateRequest
+        from rollout_service.engine.types import GenerateRequest
         from rollout_service.engine.sampling import SamplingOptions
 
         engine = engines[i % len(engines)]
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
 
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.refit.controller import RefitController, get_controller
-    from rollout_service.runtime import start_local_ray
+    from rollout_service.ops.runtime import start_local_ray
 
     start_local_ray()
     own = fleet = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from rollout_service.engine.replica import GenerateRequest
+from rollout_service.engine.types import GenerateRequest
 from rollout_service.engine.sampling import SamplingOptions
 
 

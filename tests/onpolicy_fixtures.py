@@ -49,7 +49,7 @@ TOOLS = [WEATHER_TOOL, SEARCH_TOOL]
 
 @functools.cache
 def tokenizer():
-    from rollout_service.tiny_model import build_tokenizer
+    from rollout_service.ops.tiny_model import build_tokenizer
 
     return build_tokenizer()
 

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
-from rollout_service.runtime import apply_local_env
+from rollout_service.ops.runtime import apply_local_env
 
 apply_local_env()
 # Ray's processes export their metrics every 10 s by default; the session's Ray every 2 s, so that
@@ -31,7 +31,7 @@ TEST_KV_GIB = 0.125
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from rollout_service.tiny_model import ensure_tiny_model
+    from rollout_service.ops.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model()
 
@@ -45,10 +45,10 @@ def tiny_tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    from rollout_service.runtime import start_local_ray
+    from rollout_service.ops.runtime import start_local_ray
 
     # Ray's metrics agent on a known port: tests/test_metrics.py scrapes it.
-    info = start_local_ray(metrics_port=_free_port())
+    info = start_local_ray(metrics_port=free_port())
     yield info
     import ray
 
@@ -111,7 +111,7 @@ def refit_controller(ray_session, tiny_model_dir, request):
     stack.close()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -123,14 +123,14 @@ def _free_port() -> int:
 def service(ray_session, redis_server, tiny_model_dir):
     """The whole app: Ray Serve (2 affinity replicas), one vLLM engine, the session's redis-server."""
     from rollout_service.config import EngineConfig, RolloutServiceConfig, ServiceConfig, StoreConfig
-    from rollout_service.serve.launcher import LocalService
+    from rollout_service.ops.launcher import LocalService
 
     cfg = RolloutServiceConfig(
         engine=EngineConfig(model=str(tiny_model_dir), cpu_kvcache_space_gib=TEST_KV_GIB),
         store=StoreConfig(redis_url=redis_server, key_prefix="svc"),
         service=ServiceConfig(num_affinity_replicas=2, default_max_tokens=32),
     )
-    svc = LocalService(cfg, port=_free_port(), log=lambda *_: None).start()
+    svc = LocalService(cfg, port=free_port(), log=lambda *_: None).start()
     yield svc
     svc.stop()
 

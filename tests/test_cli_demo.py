@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_service.cli import build_parser
-from rollout_service.demo import run_demo
+from rollout_service.ops.cli import build_parser
+from rollout_service.ops.demo import run_demo
 
 pytestmark = pytest.mark.serve
 

@@ -83,6 +83,7 @@ class _Reads(ast.NodeVisitor):
         self.self_attrs: dict[str, str] = {}  # self.<attr> -> model, per class
         self.names: dict[str, str] = {}  # local / module names -> model
         self.class_model: str | None = None
+        self.class_scope = False  # directly in a class body (not in one of its functions)
 
     def type_of(self, node: ast.AST) -> str | None:
         if isinstance(node, ast.Name):
@@ -120,13 +121,16 @@ class _Reads(ast.NodeVisitor):
         self.class_model = node.name if node.name in MODELS else None
         # Two passes: attribute types first (assigned in __init__ or anywhere), then reads.
         for _ in range(2):
+            self.class_scope = True
             self.generic_visit(node)
         self.self_attrs, self.class_model = outer
+        self.class_scope = False
 
     def _function(self, node) -> None:
         if any("validator" in ast.unparse(d) for d in node.decorator_list):
             return  # a validator checks a value; it does not honour it
-        outer = dict(self.names)
+        outer, scope = dict(self.names), self.class_scope
+        self.class_scope = False
         for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
             model = _annotation_model(arg.annotation)
             if model:
@@ -134,7 +138,7 @@ class _Reads(ast.NodeVisitor):
         for _ in range(2):  # names assigned later in the body are known on the second pass
             for stmt in node.body:
                 self.visit(stmt)
-        self.names = outer
+        self.names, self.class_scope = outer, scope
 
     visit_FunctionDef = visit_AsyncFunctionDef = _function
 
@@ -152,6 +156,8 @@ class _Reads(ast.NodeVisitor):
         model = _annotation_model(node.annotation) or (self.type_of(node.value) if node.value else None)
         if model and isinstance(node.target, ast.Name):
             self.names[node.target.id] = model
+            if self.class_scope:  # a class body's annotation types the instance attribute (a mixin's)
+                self.self_attrs[node.target.id] = model
         if model and isinstance(node.target, ast.Attribute) and ast.unparse(node.target.value) == "self":
             self.self_attrs[node.target.attr] = model
         self.generic_visit(node)

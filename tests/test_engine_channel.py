@@ -10,11 +10,12 @@ import dataclasses
 
 import pytest
 
-from rollout_service.engine.channel import ChannelAddress, ChannelServer, EngineLost
-from rollout_service.engine.replica import GenerateRequest
+from rollout_service.engine.channel import ChannelServer
+from rollout_service.engine.types import ChannelAddress, EngineLost
+from rollout_service.engine.types import GenerateRequest
 from rollout_service.engine.sampling import SamplingOptions
-from rollout_service.fleet.client import FleetClient, is_engine_death
-from rollout_service.fleet.fleet import FleetView, Member
+from rollout_service.fleet.client import FleetClient
+from rollout_service.fleet.types import FleetView, Member, is_engine_death
 
 pytestmark = pytest.mark.engine
 
@@ -94,7 +95,7 @@ async def test_a_consumer_going_away_aborts_the_request_in_the_engine(engine_act
 async def test_an_engine_refusal_keeps_its_meaning(engine_actor, channel_address):
     from vllm.exceptions import VLLMClientError
 
-    from rollout_service.serve.turns import _engine_refusal
+    from rollout_service.serve.errors import engine_refusal
 
     client, tcp, ray_member = _client(engine_actor, channel_address)
     too_long = GenerateRequest(prompt_ids=[100] * 2000, sampling=SamplingOptions.validated(seed=0), max_tokens=4)
@@ -107,7 +108,7 @@ async def test_an_engine_refusal_keeps_its_meaning(engine_actor, channel_address
         tcp_error, ray_error = errors
         assert isinstance(tcp_error.cause, VLLMClientError), tcp_error
         assert not is_engine_death(tcp_error)
-        mapped, expected = _engine_refusal(tcp_error), _engine_refusal(ray_error)
+        mapped, expected = engine_refusal(tcp_error), engine_refusal(ray_error)
         assert mapped is not None and expected is not None
         assert (mapped.status, mapped.code) == (expected.status, expected.code) == (400, "engine_rejected_request")
         # Nothing was left running, and the channel still serves.

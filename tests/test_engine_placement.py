@@ -132,7 +132,7 @@ def test_engine_args_use_the_ray_executor_for_tensor_parallel_gpu_engines():
 _PROBE = r'''
 import asyncio, json, os, sys, tempfile, time, traceback
 
-from rollout_service.runtime import RAY_ENV, apply_ray_env
+from rollout_service.ops.runtime import RAY_ENV, apply_ray_env
 
 apply_ray_env()
 import ray
@@ -399,12 +399,12 @@ def does_not_fit():
 def abandoned():
     """An engine start cancelled while its group waits for GPUs (fleet stop, config restart): the
     reservation thread goes on, and the group it gets once GPUs free up must be removed, not kept."""
-    from rollout_service.fleet.fleet import _reserve
+    from rollout_service.fleet.fleet import reserve
 
     out, placements, engines = start_engines(gpu_config(4, 4))  # every GPU held
 
     async def run():
-        task = asyncio.ensure_future(_reserve(gpu_config(1, 2), 7, 60.0))
+        task = asyncio.ensure_future(reserve(gpu_config(1, 2), 7, 60.0))
         await asyncio.sleep(0.5)
         task.cancel()
         try:

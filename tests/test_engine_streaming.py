@@ -117,7 +117,7 @@ PROMPT = [151644, 872, 198, 9707, 1879, 151645, 198, 151644, 77091, 198]  # <|im
 
 
 def _request(seed: int, max_tokens: int, **sampling):
-    from rollout_service.engine.replica import GenerateRequest
+    from rollout_service.engine.types import GenerateRequest
     from rollout_service.engine.sampling import SamplingOptions
 
     return GenerateRequest(prompt_ids=PROMPT, sampling=SamplingOptions.validated(seed=seed, ignore_eos=True, **sampling),

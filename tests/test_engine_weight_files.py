@@ -7,7 +7,7 @@ import subprocess
 import sys
 import uuid
 
-from rollout_service.engine.weights import shm_dir, sweep_stale_files
+from rollout_service.weights.staging import shm_dir, sweep_stale_files
 
 
 def _dead_pid() -> int:

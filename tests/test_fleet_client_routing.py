@@ -8,8 +8,8 @@ import pickle
 
 import pytest
 
-from rollout_service.fleet.client import FleetClient, NoEngineAvailable
-from rollout_service.fleet.fleet import FleetView, Member
+from rollout_service.fleet.client import FleetClient
+from rollout_service.fleet.types import FleetView, Member, NoEngineAvailable
 
 
 class FakeFleet:

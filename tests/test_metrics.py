@@ -118,7 +118,7 @@ def test_kept_gauges_are_re_set_every_half_export_interval_until_dropped(monkeyp
     assert refresh_s("200") == 0.5  # Ray floors its export interval at 1 s
 
     monkeypatch.setattr(m, "gauge_refresh_s", lambda: 0.02)
-    kept, seen, n = m._KeptGauges(), [], [0]
+    kept, seen, n = m.KeptGauges(), [], [0]
     kept.keep("a", lambda v: seen.append(("a", v)), 1)
     kept.keep("a", lambda v: seen.append(("a", v)), 2)  # a later set replaces the kept value
     kept.keep("b", lambda v: seen.append(("b", v)), lambda: n[0])  # a callable is read at each refresh
@@ -196,7 +196,7 @@ def _settled(url: str, timeout: float = 120.0):
 
 @pytest.fixture(scope="module")
 def metrics_url(service):
-    from rollout_service.runtime import metrics_url
+    from rollout_service.ops.runtime import metrics_url
 
     url = metrics_url()
     assert url is not None and service.metrics_url == url

@@ -1,13 +1,21 @@
 """The planes stay apart: a newcomer can change one without reading the others.
 
-Rules (read from the source, every import including the lazy ones inside functions):
+Rules, read from the source (every import, including the lazy ones inside functions):
 
-- ``onpolicy/`` (the pure core) imports no Ray, Redis, HTTP framework or other package of ours
-  except ``protocol``-free helpers of its own.
-- The data plane (``serve/`` except the ``up`` launcher, which composes everything) and the engine
-  fleet (``fleet/``) and the engine (``engine/``) never import the control plane (``refit/``).
-- ``fleet/health.py`` is a pure state machine: no Ray at all.
-- No import cycle between our packages.
+- ``onpolicy/`` (the pure core) imports no Ray, Redis, HTTP framework or other package of ours.
+- ``weights/`` (the wire protocol shared by the engine worker and the trainer) imports no other
+  package of ours, and what the trainer imports of it (``collective``, ``staging``) no Ray.
+- ``engine/`` imports none of the fleet, the data plane, the control plane, the store or operations.
+- ``fleet/`` imports none of the data plane, the control plane, the store or operations;
+  ``fleet/health.py`` is a pure state machine (no Ray, nothing of ours).
+- The data plane (``serve/``) and the store never import the control plane (``refit/``) or operations.
+- The control plane reads the fleet through its types and the fleet actor, never through the data
+  plane's client (``fleet/client.py``), and never imports the data plane.
+- No plane imports operations (``ops/``: the launcher, runtime, CLI, demo, tiny model); ``config``
+  may (the default model is the tiny one, built on first use).
+- No import cycle, between packages or between modules.
+- No module imports another module's ``_private`` name, or reads one off a module of ours it
+  imported (package, tests and scripts alike); ``__dunder__`` names are not private.
 """
 
 from __future__ import annotations
@@ -15,68 +23,213 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "rollout_service"
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "rollout_service"
+PLANES = ("onpolicy", "weights", "engine", "fleet", "serve", "store", "refit", "ops")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
 
 
 def imports_of(path: Path) -> set[str]:
+    """Every module a file imports: ``from a.b import c`` counts as ``a.b.c`` when that is a module of
+    ours (``from rollout_service.serve import app``), else as ``a.b``."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            for a in node.names:
+                if is_module(f"{node.module}.{a.name}"):
+                    names.add(f"{node.module}.{a.name}")
     return names
 
 
-def package_of(module: str) -> str | None:
+def is_module(name: str) -> bool:
+    if not name.startswith("rollout_service"):
+        return False
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def plane_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "rollout_service" or len(parts) < 2:
         return None
     return parts[1]
 
 
-def modules(package: str) -> list[Path]:
-    return sorted((PKG / package).glob("*.py"))
+def package_files() -> list[Path]:
+    return sorted(PKG.rglob("*.py"))
+
+
+def files_of(plane: str) -> list[Path]:
+    return sorted((PKG / plane).rglob("*.py"))
+
+
+def test_every_plane_is_a_folder():
+    assert [p for p in PLANES if not (PKG / p / "__init__.py").is_file()] == []
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert top == ["__init__.py", "config.py", "metrics.py"], f"modules outside a plane: {top}"
+
+
+def forbidden(plane: str, banned_planes: set[str], banned_tops: set[str] = frozenset()) -> list[str]:
+    found = []
+    for path in files_of(plane):
+        for name in imports_of(path):
+            if plane_of(name) in banned_planes or name.split(".")[0] in banned_tops:
+                found.append(f"{path.relative_to(PKG)} imports {name}")
+    return found
 
 
 def test_the_core_is_pure():
-    for path in modules("onpolicy"):
-        for name in imports_of(path):
-            top = name.split(".")[0]
-            assert top not in ("ray", "redis", "fastapi", "starlette", "httpx"), f"{path.name} imports {name}"
-            assert package_of(name) in (None, "onpolicy"), f"{path.name} imports {name}"
+    others = set(PLANES) - {"onpolicy"} | {"config", "metrics"}
+    assert forbidden("onpolicy", others, {"ray", "redis", "fastapi", "starlette", "httpx"}) == []
 
 
-def test_data_plane_fleet_and_engine_never_import_the_control_plane():
-    checked = [p for pkg in ("serve", "fleet", "engine") for p in modules(pkg) if p.name != "launcher.py"]
-    assert len(checked) > 8
-    for path in checked:
-        bad = [n for n in imports_of(path) if package_of(n) == "refit"]
-        assert not bad, f"{path.relative_to(PKG)} imports the control plane: {bad}"
+def test_the_weights_wire_protocol_stands_alone():
+    assert len(files_of("weights")) >= 3
+    others = set(PLANES) - {"weights"} | {"config", "metrics"}
+    assert forbidden("weights", others, {"redis", "fastapi"}) == []
+    # What a trainer imports needs no Ray (the worker extension runs inside vLLM's worker).
+    for name in ("collective.py", "staging.py"):
+        assert not [n for n in imports_of(PKG / "weights" / name) if n.split(".")[0] == "ray"], name
 
 
-def test_fleet_health_is_a_pure_state_machine():
+def test_the_engine_knows_nothing_above_it():
+    assert forbidden("engine", {"fleet", "serve", "refit", "store", "ops", "onpolicy"}) == []
+
+
+def test_the_fleet_knows_nothing_above_it():
+    assert forbidden("fleet", {"serve", "refit", "store", "ops", "onpolicy"}) == []
     names = imports_of(PKG / "fleet" / "health.py")
-    assert not [n for n in names if n.split(".")[0] in ("ray", "vllm", "torch") or package_of(n)], names
+    assert not [n for n in names if n.split(".")[0] in ("ray", "vllm", "torch") or plane_of(n)], names
 
 
-def test_no_import_cycle_between_packages():
+def test_data_plane_and_store_never_import_the_control_plane_or_operations():
+    assert forbidden("serve", {"refit", "ops"}) == []
+    assert forbidden("store", {"refit", "ops", "serve", "fleet", "engine"}) == []
+
+
+def test_the_control_plane_reads_the_fleet_through_its_types():
+    bad = [f"{p.relative_to(PKG)} imports {n}" for p in files_of("refit") for n in imports_of(p)
+           if n in ("rollout_service.fleet.client",) or plane_of(n) in ("serve", "ops")]
+    assert bad == []
+
+
+def test_no_plane_imports_operations():
+    bad = [f"{p.relative_to(PKG)} imports {n}" for plane in PLANES if plane != "ops"
+           for p in files_of(plane) for n in imports_of(p) if plane_of(n) == "ops"]
+    assert bad == []
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycles_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_between_modules():
+    # A package's __init__ re-exporting its modules is not a dependency of those modules on it.
     graph: dict[str, set[str]] = {}
-    for path in PKG.rglob("*.py"):
-        rel = path.relative_to(PKG)
-        if len(rel.parts) < 2 or (rel.parts[0] == "serve" and rel.name == "launcher.py"):
-            continue  # top-level modules (cli, config) and the launcher compose the packages
-        pkg = rel.parts[0]
+    for path in package_files():
+        mod = module_name(path)
+        graph[mod] = {n for n in imports_of(path) if is_module(n) and n != mod
+                      and not mod.startswith(n + ".") and not (path.name == "__init__.py" and n.startswith(mod + "."))}
+    assert cycles(graph) == []
+
+
+def test_no_import_cycle_between_planes():
+    graph: dict[str, set[str]] = {}
+    for path in package_files():
+        plane = plane_of(module_name(path))
+        if plane not in PLANES:
+            continue
         for name in imports_of(path):
-            dep = package_of(name)
-            if dep and dep != pkg and (PKG / dep).is_dir():
-                graph.setdefault(pkg, set()).add(dep)
+            dep = plane_of(name)
+            if dep in PLANES and dep != plane:
+                graph.setdefault(plane, set()).add(dep)
+    assert cycles(graph) == [], graph
 
-    def reaches(start: str, target: str, seen: set[str]) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
-                return True
-        return False
 
-    cycles = sorted(pkg for pkg in graph if reaches(pkg, pkg, {pkg}))
-    assert not cycles, f"packages in an import cycle: {cycles}; graph: {graph}"
+def private_reaches(path: Path) -> list[str]:
+    """``from rollout_service.x import _name`` and ``alias._name`` where ``alias`` is a module of ours."""
+    here = module_name(path) if path.is_relative_to(PKG) else None
+    tree = ast.parse(path.read_text())
+    aliases: set[str] = set()
+    found = []
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rollout_service"):
+            for a in node.names:
+                if is_module(f"{node.module}.{a.name}"):
+                    aliases.add(a.asname or a.name)
+                elif private(a.name) and node.module != here:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}.{a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("rollout_service"):
+                    aliases.add(a.asname or a.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in aliases:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} reads {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    files = package_files() + sorted((ROOT / "tests").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+    assert len(files) > 100
+    assert [f for path in files for f in private_reaches(path)] == []
+
+
+def test_private_reaches_are_found(tmp_path):
+    probe = ROOT / "tests" / "_layering_probe.py"
+    probe.write_text("from rollout_service.onpolicy.echo import _x\nfrom rollout_service.serve import app\napp._Guard\n")
+    try:
+        assert len(private_reaches(probe)) == 2
+    finally:
+        probe.unlink()

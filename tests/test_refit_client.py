@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from rollout_service.engine.collective import (
+from rollout_service.weights.collective import (
     ABORT_MESSAGE,
     BucketPlan,
     TransferAborted,

@@ -222,7 +222,7 @@ def test_every_nccl_round_is_recorded_once_with_its_outcome_phases_and_bytes(rig
 
     from rollout_service.metrics import EXPORT_PREFIX, NAME_PREFIX
     from rollout_service.refit.types import RefitInProgress
-    from rollout_service.runtime import metrics_url
+    from rollout_service.ops.runtime import metrics_url
 
     controller, fleet = rig
     url = metrics_url()

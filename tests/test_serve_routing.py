@@ -87,10 +87,10 @@ def test_every_launch_mode_configures_the_proxy_header():
     the deployment configs and the KubeRay manifests (container env) all name x-rollout-id."""
     import pathlib
 
-    from rollout_service.runtime import RAY_ENV
-    from rollout_service.serve import app
+    from rollout_service.ops.runtime import RAY_ENV
+    from rollout_service.serve import app, routing  # noqa: F401 - importing the app sets the env
 
-    assert RAY_ENV["RAY_SERVE_SESSION_ID_HEADER_KEY"] == app.ROLLOUT_HEADER == "x-rollout-id"
+    assert RAY_ENV["RAY_SERVE_SESSION_ID_HEADER_KEY"] == routing.ROLLOUT_HEADER == "x-rollout-id"
     assert os.environ["RAY_SERVE_SESSION_ID_HEADER_KEY"] == "x-rollout-id"
     from test_deploy_manifests import render_kustomization
 

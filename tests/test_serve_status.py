@@ -20,7 +20,7 @@ import pytest
 from serve_helpers import MODEL
 
 from rollout_service.store.redis_store import RedisRolloutStore
-from rollout_service.store.testing import synthetic_rollout
+from synthetic_rollouts import synthetic_rollout
 
 CLI = Path(sys.executable).with_name("rollout-service")
 

@@ -84,10 +84,10 @@ from rollout_service.onpolicy import parsing
 config = RolloutServiceConfig()
 tok = AutoTokenizer.from_pretrained(config.engine.resolved_model())
 runner = TurnRunner(config, None, None, tok)
-before = "vllm.parser.parser_manager" in sys.modules, parsing._parser_cls.cache_info().currsize
+before = "vllm.parser.parser_manager" in sys.modules, parsing.parser_class.cache_info().currsize
 runner.warm()
-after = "vllm.parser.parser_manager" in sys.modules, parsing._parser_cls.cache_info().currsize
-print(before, after, parsing._CACHED_TOKENIZERS.get(id(tok), (None,))[0] is tok)
+after = "vllm.parser.parser_manager" in sys.modules, parsing.parser_class.cache_info().currsize
+print(before, after, parsing.CACHED_TOKENIZERS.get(id(tok), (None,))[0] is tok)
 """
 
 

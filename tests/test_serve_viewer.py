@@ -22,7 +22,7 @@ from serve_helpers import MODEL
 from rollout_service.onpolicy.types import RolloutState, Segment, TurnRecord, WeightSpan
 from rollout_service.onpolicy.trajectory import trajectory_export
 from rollout_service.serve.viewer import render_trajectory_html
-from rollout_service.store.testing import synthetic_rollout
+from synthetic_rollouts import synthetic_rollout
 
 
 class PageTokens(HTMLParser):

@@ -13,9 +13,10 @@ import uuid
 import pytest
 
 from rollout_service.onpolicy.types import RolloutState
-from rollout_service.store import MemoryRolloutStore, RedisRolloutStore, RolloutStore, StoreUnavailable, TurnConflict
+from memory_store import MemoryRolloutStore
+from rollout_service.store import RedisRolloutStore, RolloutStore, StoreUnavailable, TurnConflict
 from rollout_service.store.cache import CachedRolloutStore
-from rollout_service.store.testing import synthetic_delta, synthetic_rollout
+from synthetic_rollouts import synthetic_delta, synthetic_rollout
 
 
 def _reply_bytes(reply) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 
 from rollout_service.onpolicy.types import RolloutState, TurnRecord, WeightSpan
 from rollout_service.store.codec import decode_delta, encode_delta
-from rollout_service.store.testing import synthetic_delta
+from synthetic_rollouts import synthetic_delta
 
 OLD_RECORD = ('{"turn":3,"prompt_start":10,"gen_start":14,"gen_end":20,"finish_reason":"stop","monotonic":true,'
               '"weight_versions":[{"version":"v1","start":14,"end":20}]}')

@@ -14,13 +14,13 @@ from rollout_service.onpolicy.types import RolloutState
 from rollout_service.store import (
     InvalidRolloutId,
     InvalidTurnDelta,
-    MemoryRolloutStore,
     RedisRolloutStore,
     RolloutStore,
     TurnConflict,
 )
 from rollout_service.store.cache import CachedRolloutStore
-from rollout_service.store.testing import synthetic_delta, synthetic_rollout
+from memory_store import MemoryRolloutStore
+from synthetic_rollouts import synthetic_delta, synthetic_rollout
 
 TTL = 1000
 

@@ -11,8 +11,9 @@ import uuid
 
 import pytest
 
-from rollout_service.store import MemoryRolloutStore, RedisRolloutStore
-from rollout_service.store.testing import synthetic_delta, synthetic_rollout
+from memory_store import MemoryRolloutStore
+from rollout_service.store import RedisRolloutStore
+from synthetic_rollouts import synthetic_delta, synthetic_rollout
 
 
 def outcome(result):

@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from rollout_service.store import EmbeddedRedis, EmbeddedRedisError, RedisRolloutStore, StoreUnavailable, TurnConflict
-from rollout_service.store.embedded import _free_port
+from rollout_service.store.embedded import free_port
 from rollout_service.store.redis_store import parse_redis_url
-from rollout_service.store.testing import synthetic_delta, synthetic_rollout
+from synthetic_rollouts import synthetic_delta, synthetic_rollout
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ async def test_a_supervised_server_killed_with_sigkill_is_restarted_and_the_same
 
 
 async def test_unreachable_server_is_unavailable_not_a_crash():
-    s = RedisRolloutStore.from_url(f"redis://127.0.0.1:{_free_port('127.0.0.1')}/0", socket_connect_timeout=0.5)
+    s = RedisRolloutStore.from_url(f"redis://127.0.0.1:{free_port('127.0.0.1')}/0", socket_connect_timeout=0.5)
     assert await s.ping() is False
     with pytest.raises(StoreUnavailable):
         await s.load("r")

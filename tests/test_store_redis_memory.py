@@ -19,7 +19,7 @@ import pytest
 
 from rollout_service.store import EmbeddedRedis, RedisRolloutStore
 from rollout_service.store.base import StoreError, StoreFull
-from rollout_service.store.testing import synthetic_delta, synthetic_rollout
+from synthetic_rollouts import synthetic_delta, synthetic_rollout
 
 MAXMEMORY = 4 * 1024 * 1024  # a few MiB above an empty server's ~1 MiB
 
@@ -78,7 +78,7 @@ async def test_the_data_plane_answers_507_store_full_when_redis_refuses_the_turn
     the rest of the runner it does not use."""
     from types import SimpleNamespace
 
-    from rollout_service.protocol.openai import ServiceError
+    from rollout_service.serve.protocol.openai import ServiceError
     from rollout_service.serve.turns import TurnRunner
 
     store = RedisRolloutStore.from_url(tiny_redis, ttl_seconds=1000)

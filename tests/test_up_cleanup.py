@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout_service.runtime import LOCAL_ENGINE_ENV, RAY_ENV
+from rollout_service.ops.runtime import LOCAL_ENGINE_ENV, RAY_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def _describe(procs) -> str:
     return ", ".join(f"{pid} {_cmdline(pid)[:80]!r}" for pid, _ in sorted(procs)) or "none"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -169,7 +169,7 @@ def test_embedded_redis_server_dies_when_its_owner_is_sigkilled(tmp_path, starte
 RAY_DRIVER = """
 import os, signal, time
 import ray
-from rollout_service.runtime import shutdown_local_ray, start_local_ray
+from rollout_service.ops.runtime import shutdown_local_ray, start_local_ray
 
 start_local_ray(num_cpus=1)
 
@@ -241,7 +241,7 @@ def test_shutdown_local_ray_stops_what_rays_own_shutdown_leaves_running(ray_driv
 GROUP_DRIVER = """
 import os, signal, threading
 import ray
-from rollout_service.runtime import abandon_local_ray, local_ray_gone, shutdown_local_ray, start_local_ray
+from rollout_service.ops.runtime import abandon_local_ray, local_ray_gone, shutdown_local_ray, start_local_ray
 
 start_local_ray(num_cpus=1)
 
@@ -361,8 +361,8 @@ def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp
     env.update(RAY_ENV)
     env.update(LOCAL_ENGINE_ENV)
     log_path = tmp_path / "up.log"
-    metrics_port = _free_port()
-    port = _free_port()
+    metrics_port = free_port()
+    port = free_port()
     with open(log_path, "wb") as log:
         up = subprocess.Popen([str(Path(sys.executable).with_name("rollout-service")), "up", "--port", str(port),
                                "--metrics-port", str(metrics_port)],

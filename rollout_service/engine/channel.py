@@ -35,10 +35,12 @@ import itertools
 import logging
 import secrets
 import struct
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
+
+from rollout_service.engine.sampling import SamplingOptions
+from rollout_service.engine.types import ChannelAddress, EngineCallError, EngineLost, GenerateRequest, GenerationChunk
 
 logger = logging.getLogger(__name__)
 
@@ -50,36 +52,12 @@ CONNECT_TIMEOUT_S = 10.0
 _ENGINE_GONE = frozenset({"EngineUnavailable", "EngineDeadError"})
 
 
-@dataclass(frozen=True)
-class ChannelAddress:
-    host: str
-    port: int
-    token: str
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-class EngineLost(ConnectionError):
-    """The engine's channel could not be opened or was lost: the engine is gone or unreachable."""
-
-
-class EngineCallError(RuntimeError):
-    """The engine raised while serving the call; ``cause`` is the error as the data plane handles it."""
-
-    def __init__(self, message: str, cause: BaseException):
-        super().__init__(message)
-        self.cause = cause
-
-
 def _encode_request(request) -> dict[str, Any]:
     return {"prompt_ids": request.prompt_ids, "sampling": request.sampling.model_dump(exclude_defaults=True),
             "max_tokens": request.max_tokens, "request_id": request.request_id}
 
 
 def _decode_request(raw: Any):
-    from rollout_service.engine.replica import GenerateRequest
-    from rollout_service.engine.sampling import SamplingOptions
 
     if not isinstance(raw, dict):
         raise ValueError("a request must be a map")
@@ -269,7 +247,6 @@ class EngineChannel:
     async def call(self, request, stream: bool) -> AsyncIterator:
         """The generation's chunks (one for a non-streaming call). Closing the iterator before its
         end cancels the call in the engine, which aborts the vLLM request."""
-        from rollout_service.engine.replica import GenerationChunk
 
         writer = await self._ensure()
         cid = next(self._ids)

@@ -17,54 +17,15 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from rollout_service.config import EngineConfig
-from rollout_service.engine.sampling import SamplingOptions
+from rollout_service.engine.channel import ChannelServer
+from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION_CLS = "rollout_service.engine.worker_extension.RolloutWorkerExtension"
-
-
-@dataclass
-class GenerateRequest:
-    prompt_ids: list[int]
-    sampling: SamplingOptions
-    max_tokens: int
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-@dataclass
-class GenerationChunk:
-    """A streamed piece of one generation. ``weight_versions`` is set on the final chunk only."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # processed logprob of each sampled id
-    top_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    weight_version: str | None = None  # engine's version when this chunk was produced
-    weight_versions: list[tuple[str, int, int]] | None = None  # (version, start, end) over generated ids
-    num_prompt_tokens: int = 0
-    engine_index: int = 0
-    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (final chunk)
-
-    @staticmethod
-    def concat(chunks: list["GenerationChunk"]) -> "GenerationChunk":
-        """Consecutive chunks of one generation as one: tokens in order, the rest from the last."""
-        last = chunks[-1]
-        return replace(
-            last,
-            token_ids=[t for c in chunks for t in c.token_ids],
-            logprobs=[lp for c in chunks for lp in c.logprobs],
-            top_logprobs=None if last.top_logprobs is None else [d for c in chunks for d in c.top_logprobs or ()],
-        )
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is not started, shutting down, or dead."""
+WORKER_EXTENSION_CLS = "rollout_service.weights.worker_extension.RolloutWorkerExtension"
 
 
 class EngineReplica:
@@ -145,7 +106,7 @@ class EngineReplica:
                 return self._startup_s or 0.0
             t0 = time.perf_counter()
             _apply_engine_env(self.config)
-            from rollout_service.engine.weights import sweep_stale_files
+            from rollout_service.weights.staging import sweep_stale_files
             from vllm.v1.engine.async_llm import AsyncLLM
 
             if removed := sweep_stale_files():
@@ -171,7 +132,6 @@ class EngineReplica:
         """Serve this engine's generations on a TCP port of ``host`` (default: this Ray node's
         address) and return its :class:`~rollout_service.engine.channel.ChannelAddress`: the data
         plane's path to the engine (idempotent). See :mod:`rollout_service.engine.channel`."""
-        from rollout_service.engine.channel import ChannelServer
 
         if self._channel is None:
             self._channel = ChannelServer(self.generate, self.generate_all)
@@ -337,8 +297,8 @@ class EngineReplica:
 
     async def stage_weights_from_object_store(self, refs: list, timeout: float | None = None) -> list[dict[str, Any]]:
         """Stage the state dict ``refs[0]`` in every worker (object-store transport, fleet
-        replacements); the worker is not connected to Ray: see :mod:`rollout_service.engine.weights`."""
-        from rollout_service.engine.weights import stage_state_dict_ref
+        replacements); the worker is not connected to Ray: see :mod:`rollout_service.weights.staging`."""
+        from rollout_service.weights.staging import stage_state_dict_ref
 
         return await stage_state_dict_ref(self, refs, timeout)
 
@@ -347,7 +307,7 @@ class EngineReplica:
 
         The fleet calls it with ``num_returns=2``, so both objects are owned by the fleet and outlive
         this engine: a replacement loads them to serve the current version."""
-        from rollout_service.engine.weights import export_current_weights
+        from rollout_service.weights.staging import export_current_weights
 
         version = self._version
         weights = await export_current_weights(self, timeout)

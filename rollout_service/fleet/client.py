@@ -13,16 +13,23 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, AsyncIterator, Protocol
 
-from rollout_service.fleet.fleet import FleetView, Member
+from rollout_service.engine.channel import EngineChannel
+from rollout_service.engine.types import GenerateRequest
+from rollout_service.fleet.types import (
+    EngineLostDuringCall,
+    FleetView,
+    Member,
+    NoEngineAvailable,
+    is_actor_dead,
+    is_engine_death,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class NoEngineAvailable(RuntimeError):
-    """No engine is serving right now (all dead, replacing, or stale); the fleet is healing."""
 
 
 class RoutingPolicy(Protocol):
@@ -139,14 +146,48 @@ class FleetClient:
             self.outstanding.pop(member.key, None)
 
     # ------------------------------------------------------------------ generation
+    async def generate_with_failover(self, rollout_id: str | None, request: GenerateRequest,
+                                     stream: bool) -> AsyncIterator:
+        """``request`` on the rollout's pinned engine (pinned at its first call to the least loaded one).
+
+        An engine that dies (killed, crashed, or declared hung and killed by the fleet) before the
+        call has passed on any token is not the caller's problem: the call runs again on another
+        engine from the same prompt ids, each live engine at most once (a non-streaming call passes
+        nothing on until it is done). Once tokens were passed on, :class:`EngineLostDuringCall`.
+        No engine serving: :class:`NoEngineAvailable`. Any other error of the call is raised as is.
+        """
+        attempts = max(2, len(self.members()))  # each live engine once; at least one retry
+        for attempt in range(attempts):
+            member = self.pick(rollout_id)
+            if attempt:
+                request = replace(request, request_id=uuid.uuid4().hex)
+            produced = False
+            self.acquire(member)
+            chunks = self.generate(member, request, stream)
+            try:
+                async for chunk in chunks:
+                    produced = True
+                    yield chunk
+                return
+            except Exception as exc:
+                if not is_engine_death(exc):
+                    raise
+                self.report_lost(member, exc)
+                if not produced and attempt + 1 < attempts:
+                    logger.warning("engine slot %d died; retrying the call of rollout %s on another engine",
+                                   member.slot, rollout_id)
+                    continue
+                raise EngineLostDuringCall(member.slot) from None
+            finally:
+                self.release(member)
+                await chunks.aclose()
+
     async def generate(self, member: Member, request, stream: bool) -> AsyncIterator:
-        """``request`` (an engine.replica.GenerateRequest) on ``member``'s engine: its chunks as they come
+        """``request`` (:class:`~rollout_service.engine.types.GenerateRequest`) on ``member``'s engine: its chunks as they come
         (streaming), or the whole generation as one chunk. Over the engine's data channel when it
         has one (engine.data_channel: tcp), else a Ray actor call. Closing the iterator early stops
         the generation in the engine. Engine death: an error for which :func:`is_engine_death` holds."""
         if member.channel is not None:
-            from rollout_service.engine.channel import EngineChannel
-
             channel = self.channels.get(member.key)
             if channel is None or channel.closed:
                 channel = self.channels[member.key] = EngineChannel(member.channel)
@@ -187,16 +228,6 @@ class FleetClient:
             pass
 
 
-def is_engine_death(exc: BaseException) -> bool:
-    """The engine is gone (killed, crashed, node lost, unreachable): Ray's ways of saying so of the
-    actor, or its data channel lost (engine.channel.EngineLost)."""
-    import ray.exceptions as rex
-
-    from rollout_service.engine.channel import EngineLost
-
-    return isinstance(exc, (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, EngineLost))
-
-
 def _cancel(call) -> None:
     """Stop an engine call nobody waits for any more (client gone, call cancelled): dropping a Ray
     streaming generator does not stop the actor's generator, ``ray.cancel`` does, and the engine
@@ -207,13 +238,6 @@ def _cancel(call) -> None:
         ray.cancel(call)
     except Exception:  # already finished, or the actor is gone
         pass
-
-
-def is_actor_dead(exc: BaseException) -> bool:
-    """Dead for good (not merely unreachable for a moment)."""
-    import ray.exceptions as rex
-
-    return isinstance(exc, rex.RayActorError) and not isinstance(exc, rex.ActorUnavailableError)
 
 
 async def connect(fleet, **kwargs: Any) -> FleetClient:

@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_service.config import EngineConfig, FleetConfig, RolloutServiceConfig
+from rollout_service.config import FleetConfig, RolloutServiceConfig
+from rollout_service.fleet.types import FleetView, Member, is_actor_dead
 from rollout_service.fleet.health import SERVING, EngineState, FleetHealth, HealthPolicy
 from rollout_service.metrics import get_metrics
 
@@ -42,35 +43,6 @@ APP_ONLY_ENGINE_FIELDS = frozenset({"chat_template", "forced_tool_call_format", 
 FLEET_NAME = "rollout-service-fleet"  # fleet_name(default instance_name)
 FLEET_NAMESPACE = "rollout-service"
 BASE_VERSION = "0"  # the label of the model's own weights
-
-
-@dataclass(frozen=True)
-class Member:
-    """One serving engine: its slot (GPU / TP group), the generation of the actor in that slot
-    (bumped by every replacement), the handle, and its load at the last probe."""
-
-    slot: int
-    generation: int
-    handle: Any
-    load: int = 0
-    channel: Any = None  # engine.channel.ChannelAddress: the data plane's path (engine.data_channel: tcp)
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.slot, self.generation)
-
-
-@dataclass(frozen=True)
-class FleetView:
-    """The serving set at one epoch. Pickle-safe: it crosses Ray calls."""
-
-    epoch: int
-    version: str
-    members: tuple[Member, ...]
-    refitting: bool = False
-
-    def handles(self) -> list[Any]:
-        return [m.handle for m in self.members]
 
 
 @dataclass
@@ -292,7 +264,6 @@ class EngineFleet:
 
         The refit's own steps fan out over the members of its ``FleetView`` in the controller's
         process (one hop less on every step of the stall); this is for every other control call."""
-        from rollout_service.fleet.client import is_actor_dead
 
         view = self._view()
 
@@ -476,7 +447,7 @@ class EngineFleet:
         timeout = self.health.policy.start_timeout_s
         try:
             if s.placement is None:  # kept across replacements: a replacement gets the same GPUs / node
-                s.placement = await _reserve(ec, slot, timeout)
+                s.placement = await reserve(ec, slot, timeout)
             actor = create_engine_actor(ec, slot, placement=s.placement, initial_weight_version=BASE_VERSION)
             s.generation, s.actor = generation, actor
             await asyncio.wait_for(actor.start.remote(), timeout)
@@ -668,7 +639,7 @@ def get_fleet(name: str = FLEET_NAME):
     return ray.get_actor(name, namespace=FLEET_NAMESPACE)
 
 
-async def _reserve(config, slot: int, timeout: float):
+async def reserve(config, slot: int, timeout: float):
     """Reserve an engine's placement group in a thread. If the bring-up is cancelled while the
     thread waits (fleet stop, a config restart), the thread still finishes: the group it then
     holds is removed instead of keeping its GPUs until the fleet actor dies."""

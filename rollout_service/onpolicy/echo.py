@@ -73,7 +73,7 @@ def state_from_echo(
     model passes the engine's vocabulary size so its own output echoes back cleanly.
     Raises :class:`InvalidEcho` for malformed echo fields, before anything is built.
     """
-    calls = _checked_echo(messages, len(template.tokenizer) if vocab_size is None else vocab_size)
+    calls = checked_echo(messages, len(template.tokenizer) if vocab_size is None else vocab_size)
     clean = [strip_echo(m) if isinstance(m, dict) else m for m in messages]
     echoed = sorted(calls)
     if not echoed:
@@ -132,7 +132,7 @@ class _EchoedCall(NamedTuple):
     finish_reason: str | None
 
 
-def _checked_echo(messages: list[Any], vocab_size: int) -> dict[int, _EchoedCall]:
+def checked_echo(messages: list[Any], vocab_size: int) -> dict[int, _EchoedCall]:
     """Every message's echo fields, checked; {message index: its echoed call}. Raises InvalidEcho."""
     calls: dict[int, _EchoedCall] = {}
     for i, m in enumerate(messages):

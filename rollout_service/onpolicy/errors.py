@@ -8,19 +8,29 @@ lengths that disagree, ids outside the vocabulary) is refused as a bad request t
 (:class:`InvalidEcho`, 400), before anything is built from it. A silent wrong prompt would be an
 off-policy sample the trainer cannot detect.
 
-Every error carries what the HTTP shell needs for OpenAI's error envelope: ``status``, ``code``,
-and where known the message ``index`` and ``field`` it names (``param`` =
-``messages[index].field``).
+Every error carries what the HTTP shell needs for OpenAI's error envelope, defined here and read
+there: ``status``, ``error_type``, ``code`` and ``param`` (``messages[index].field`` where the
+message and field are known).
 """
 
 from __future__ import annotations
 
 
 class OnPolicyError(Exception):
-    """Base class; ``status`` is the HTTP status the shell should answer with."""
+    """Base class; ``status`` is the HTTP status the shell answers with, ``error_type`` and ``code``
+    the envelope's, ``param`` the request field at fault."""
 
     status: int = 400
+    error_type: str = "invalid_request_error"
     code: str = "onpolicy_error"
+    index: int | None = None
+    field: str | None = None
+
+    @property
+    def param(self) -> str:
+        if self.index is None:
+            return "messages"
+        return f"messages[{self.index}].{self.field}" if self.field else f"messages[{self.index}]"
 
 
 class HistoryConflict(OnPolicyError):
@@ -34,7 +44,8 @@ class HistoryConflict(OnPolicyError):
     """
 
     status = 409
-    code = "history_conflict"
+    error_type = "conflict_error"
+    code = "non_monotonic_history"
 
     def __init__(self, index: int | None, field: str, message: str):
         super().__init__(message)
@@ -90,10 +101,6 @@ class InvalidEcho(OnPolicyError, ValueError):
         self.field = field
         self.message = message
 
-    @property
-    def param(self) -> str:
-        return f"messages[{self.index}].{self.field}"
-
 
 class InvalidPrefix(OnPolicyError, ValueError):
     """``required_prefix_token_ids`` is malformed (400, ``invalid_required_prefix``).
@@ -124,6 +131,7 @@ class PrefixNotContinuable(OnPolicyError):
 
     status = 400
     code = "prefix_not_continuable"
+    param = "required_prefix_token_ids"
 
     def __init__(self, message: str, index: int | None = None):
         super().__init__(message)

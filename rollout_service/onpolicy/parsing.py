@@ -37,7 +37,7 @@ class AssistantOutput:
 
 
 @functools.lru_cache(maxsize=32)
-def _parser_cls(reasoning_parser: str | None, tool_parser: str | None, key: "_TokenizerKey", strict_level: str = "auto"):
+def parser_class(reasoning_parser: str | None, tool_parser: str | None, key: "TokenizerKey", strict_level: str = "auto"):
     from vllm.parser.parser_manager import ParserManager
 
     return ParserManager.get_parser(
@@ -49,26 +49,26 @@ def _parser_cls(reasoning_parser: str | None, tool_parser: str | None, key: "_To
     )
 
 
-_CACHED_TOKENIZERS: dict[int, Any] = {}
+CACHED_TOKENIZERS: dict[int, Any] = {}
 
 
-def _vllm_tokenizer(tok):
+def vllm_tokenizer(tok):
     """vLLM's cached-tokenizer view (memoized per tokenizer object).
 
     vLLM's parsers read ``tokenizer.get_vocab()`` when they are constructed: ~75 ms for the Qwen
     vocabulary on a plain HF tokenizer, per call. vLLM's server hands them a cached tokenizer; so
     do we, which makes a parse ~1 ms.
     """
-    cached = _CACHED_TOKENIZERS.get(id(tok))
+    cached = CACHED_TOKENIZERS.get(id(tok))
     if cached is None or cached[0] is not tok:
         from vllm.tokenizers.hf import get_cached_tokenizer
 
         cached = (tok, get_cached_tokenizer(tok))
-        _CACHED_TOKENIZERS[id(tok)] = cached
+        CACHED_TOKENIZERS[id(tok)] = cached
     return cached[1]
 
 
-class _TokenizerKey:
+class TokenizerKey:
     """Hashable by identity so the lru_cache does not try to hash a tokenizer."""
 
     def __init__(self, tok):
@@ -78,7 +78,7 @@ class _TokenizerKey:
         return id(self.tok)
 
     def __eq__(self, other):
-        return isinstance(other, _TokenizerKey) and other.tok is self.tok
+        return isinstance(other, TokenizerKey) and other.tok is self.tok
 
 
 def parse_output(
@@ -105,7 +105,7 @@ def parse_output(
     any special token, e.g. ``<|im_end|>``) is not part of the parsed text; it stays in the ids.
     """
     gen_ids = [int(t) for t in gen_ids]
-    tokenizer = _vllm_tokenizer(tokenizer)
+    tokenizer = vllm_tokenizer(tokenizer)
     if stop_token_ids is None:
         stop_token_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     text_ids = gen_ids[:-1] if gen_ids and gen_ids[-1] in stop_token_ids else gen_ids
@@ -114,7 +114,7 @@ def parse_output(
         kwargs["enable_thinking"] = enable_thinking
     parser_cls = None
     if reasoning_parser or tool_parser:
-        parser_cls = _parser_cls(reasoning_parser, tool_parser, _TokenizerKey(tokenizer), strict_level)
+        parser_cls = parser_class(reasoning_parser, tool_parser, TokenizerKey(tokenizer), strict_level)
     request = _call_request(tools, tool_choice, parallel_tool_calls, chat_template_kwargs=kwargs or None)
     if parser_cls is None:
         text = tokenizer.decode(text_ids, skip_special_tokens=True)
@@ -169,10 +169,10 @@ def structured_outputs_for(
         # A forced call's arguments follow the tool's parameters schema (as in the JSON form), unless
         # the tool says ``strict: false``: vLLM pins a schema only for strict tools.
         tools = [_strict_unless_said(t) for t in tools]
-    tokenizer = _vllm_tokenizer(tokenizer)
+    tokenizer = vllm_tokenizer(tokenizer)
     request = _call_request(tools, tool_choice, parallel_tool_calls, response_format=response_format)
     if tool_parser and tools:
-        parser = _parser_cls(reasoning_parser, tool_parser, _TokenizerKey(tokenizer), strict_level)(tokenizer, request.tools)
+        parser = parser_class(reasoning_parser, tool_parser, TokenizerKey(tokenizer), strict_level)(tokenizer, request.tools)
         request = parser.adjust_request(request)
     params = request.extract_structured_outputs()
     if params is None:

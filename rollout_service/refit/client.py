@@ -43,7 +43,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
-from rollout_service.engine.collective import (
+from rollout_service.weights.collective import (
     ABORT_MESSAGE,
     GroupOutOfSync,
     PackBuffers,

@@ -27,9 +27,8 @@ import time
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.fleet.client import is_actor_dead, is_engine_death
-from rollout_service.fleet.fleet import FleetView, Member
-from rollout_service.engine.collective import ABORT_MESSAGE
+from rollout_service.fleet.types import FleetView, Member, is_actor_dead, is_engine_death
+from rollout_service.weights.collective import ABORT_MESSAGE
 from rollout_service.metrics import get_metrics
 from rollout_service.refit.types import (
     MEMBERSHIP_CHANGED,

@@ -23,7 +23,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-# Dedicated to our worker-extension methods (rollout_service.engine.worker_extension).
+# Dedicated to our worker-extension methods (rollout_service.weights.worker_extension).
 STAGE_COLLECTIVE = "rs_stage_collective"
 STAGE_PATH = "rs_stage_path"
 

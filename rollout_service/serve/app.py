@@ -26,62 +26,50 @@ replica looks up (or creates) on start, so the app works the same under ``serve 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
-import dataclasses
 import logging
 import os
-import re
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.metrics import RequestObservation, get_metrics
-from rollout_service.protocol.openai import (
+from rollout_service.serve.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
     ResponsesRequest,
     ServiceError,
     TokenizeRequest,
-    bad_request,
 )
 from rollout_service.serve.dialects import chat, completions, responses
-from rollout_service.serve.dialects.common import RolloutHeaders, RolloutIdPath, rollout_headers, unicode_body
-from rollout_service.serve.routing import ROUTER_CLASS
+from rollout_service.serve.dialects.common import RolloutHeaders, RolloutIdPath, rollout_headers, valid_rollout_id
+from rollout_service.serve.forwarding import ForwardingReplica
+from rollout_service.serve.http import (
+    ROLLOUT_ERRORS,
+    STREAMED,
+    TURN_ERRORS,
+    VIEWER_HEADERS,
+    BodySizeGuard,
+    create_app,
+    errors_doc,
+    guard_events,
+    observed,
+    require_api_key,
+    safe_stream,
+)
+from rollout_service.serve.routing import DEPLOYMENT_NAME, ROLLOUT_HEADER, ROUTER_CLASS, SESSION_HEADER_ENV, haproxy_mode
 from rollout_service.serve.turn_types import (
-    TokenDelta,
-    TurnAccepted,
-    TurnError,
-    TurnHeartbeat,
     TurnRequest,
     TurnResult,
 )
 
 logger = logging.getLogger(__name__)
 
-DEPLOYMENT_NAME = "RolloutService"
-ROLLOUT_HEADER = "x-rollout-id"
-# The Serve proxy reads this before it starts; every launch mode sets it (runtime.RAY_ENV, the
-# KubeRay manifests, docs for `serve run` / `serve deploy`).
-SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
 os.environ.setdefault(SESSION_HEADER_ENV, ROLLOUT_HEADER)  # `serve run <import path>` imports this before ray.init
-HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
-
-
-def haproxy_mode() -> bool:
-    """Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1`` before Ray starts): HAProxy hashes
-    ``X-Rollout-Id`` to a replica that serves HTTP itself; no custom request router is allowed."""
-    return os.environ.get(HAPROXY_ENV) == "1"
 
 
 def resolve_config(args: dict[str, Any] | RolloutServiceConfig | None) -> RolloutServiceConfig:
@@ -95,338 +83,12 @@ def resolve_config(args: dict[str, Any] | RolloutServiceConfig | None) -> Rollou
     return cfg
 
 
-# ---------------------------------------------------------------------------------------- HTTP app
-class _Guard:
-    """Pure ASGI middleware: API key and body size, checked before a body is read or parsed."""
-
-    api_key: str | None = None
-    max_bytes: int = 8 * 1024 * 1024
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        path, root = scope["path"], scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]
-        if _Guard.api_key and path != "/health" and headers.get("authorization", "") != f"Bearer {_Guard.api_key}":
-            return await _send_error(send, ServiceError(401, "invalid or missing API key", type="authentication_error",
-                                                        code="invalid_api_key"))
-        length = headers.get("content-length")
-        limit = _Guard.max_bytes
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            return await _send_error(send, _too_large(limit))
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _BodyTooLarge()
-            return message
-
-        try:
-            return await self.app(scope, counted, send)
-        except _BodyTooLarge:
-            return await _send_error(send, _too_large(limit))
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-def _too_large(limit: int) -> ServiceError:
-    return ServiceError(413, f"request body larger than {limit} bytes", code="request_too_large")
-
-
-async def _send_error(send, exc: ServiceError) -> None:
-    body = JSONResponse(exc.envelope()).body
-    await send({"type": "http.response.start", "status": exc.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-_REQUEST: contextvars.ContextVar[RequestObservation | None] = contextvars.ContextVar("rollout_request", default=None)
-
-
-class _Metered:
-    """Pure ASGI middleware, outermost: every HTTP request's route, status and latency, and what its
-    call generated (filled in by :func:`_observed`), recorded once it has been answered
-    (:mod:`rollout_service.metrics`). A call forwarded to the replica owning its rollout is counted
-    here, where the HTTP request arrived; its turn is counted by the owner's runner."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        obs = RequestObservation(time.perf_counter())
-        token = _REQUEST.set(obs)
-        status = 500  # the app raised before answering: Starlette's error middleware sends a 500
-
-        async def sent(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sent)
-        finally:
-            _REQUEST.reset(token)
-            get_metrics().request(_route_of(scope), status, time.perf_counter() - obs.t0, obs)
-
-
-def _route_of(scope) -> str:
-    """The route's path template (``/v1/rollouts/{rollout_id}``: bounded label values); for a request
-    refused before routing (401, 413) the route it would have reached; ``unmatched`` for none."""
-    path = getattr(scope.get("route"), "path", None)
-    if path:
-        return path
-    for route in getattr(scope.get("app"), "routes", ()):
-        try:
-            if route.matches(scope)[0] != Match.NONE:
-                return route.path
-        except Exception:
-            continue
-    return "unmatched"
-
-
-async def _observed(events: AsyncIterator, stream: bool) -> AsyncIterator:
-    """Pass a call's events through, noting its first generated token and its result for the metrics."""
-    obs = _REQUEST.get()
-    if obs is not None:
-        obs.stream = stream
-    async for event in events:
-        if obs is not None:
-            if isinstance(event, TokenDelta):
-                if event.token_ids:
-                    obs.first_token(time.perf_counter())
-            elif isinstance(event, TurnResult):
-                if event.generation_token_ids:
-                    obs.first_token(time.perf_counter())
-                obs.result(len(event.prompt_token_ids), len(event.generation_token_ids), event.replayed,
-                           event.weight_versions)
-        yield event
-
-
-async def _with_heartbeats(events: AsyncIterator, every_s: float) -> AsyncIterator:
-    """``events``, with a :class:`TurnHeartbeat` whenever ``every_s`` seconds pass without one."""
-    pending: asyncio.Future | None = None
-    try:
-        while True:
-            pending = asyncio.ensure_future(events.__anext__())
-            while not (await asyncio.wait({pending}, timeout=every_s))[0]:
-                yield TurnHeartbeat()
-            done, pending = pending, None
-            try:
-                event = done.result()
-            except StopAsyncIteration:
-                return
-            yield event
-    finally:
-        if pending is not None:  # closed or cancelled while waiting: stop the turn (its finally blocks run)
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        await events.aclose()
-
-
-async def _next_within(events: AsyncIterator, timeout: float):
-    """The next event of a forwarded call, or ``asyncio.TimeoutError`` after ``timeout`` seconds.
-    Unlike ``asyncio.wait_for`` it does not wait for the abandoned read to finish cancelling: a read
-    of Serve's handle generator is not promised to give up promptly, and the sender's deadline is
-    the point of the timeout."""
-    read = asyncio.ensure_future(events.__anext__())
-    try:
-        done, _ = await asyncio.wait({read}, timeout=timeout)
-    except asyncio.CancelledError:
-        read.cancel()
-        raise
-    if not done:
-        read.cancel()
-        read.add_done_callback(lambda t: t.cancelled() or t.exception())  # its late outcome, unheard
-        raise asyncio.TimeoutError
-    return read.result()
-
-
-def _abandon(events) -> None:
-    """Cancel a forwarded call without blocking this replica's loop: Serve's
-    ``DeploymentResponseGenerator.cancel`` resolves the replica synchronously and calls ``ray.cancel``,
-    so it runs on a worker thread (the handle's router lives in its own loop: thread-safe)."""
-
-    def cancel() -> None:
-        try:
-            events.cancel()
-        except Exception as exc:  # already finished, or the owner is gone
-            logger.debug("cancelling a forwarded call: %s", exc)
-
-    asyncio.get_running_loop().run_in_executor(None, cancel)
-
-
-def error_response(exc: ServiceError) -> JSONResponse:
-    return JSONResponse(exc.envelope(), status_code=exc.status)
-
-
-def _param_of(loc) -> str | None:
-    """``messages[1].content`` from pydantic's location, without the body and the union-member tags
-    pydantic puts in it (``tool_choice.literal['auto','none','required']``, ``prompt.list[int]``)."""
-    parts = [str(p) for p in loc if p not in ("body",) and not _UNION_TAG.fullmatch(str(p))]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
-    return out or None
-
-
-_UNION_TAG = re.compile(r"str|int|float|bool|none|[A-Z]\w*|[\w-]+\[.*\]")
-
-
-# What each error status means, as the OpenAPI schema documents it per route (every one carries
-# the OpenAI error envelope: ErrorResponse).
-_ERROR_MEANINGS = {
-    400: "A client mistake (the message names the field): nothing was run or stored.",
-    401: "Missing or wrong API key (when the service is configured with one).",
-    404: "Unknown model, or no such rollout.",
-    409: "The history contradicts the rollout's stored one under X-History-Policy: reject (or echo fields "
-         "contradict it): nothing was stored.",
-    413: "The request body is larger than the service accepts.",
-    422: "Idempotency-Key reused with a different request on this rollout.",
-    500: "An unexpected failure of the service: nothing was stored; retrying is safe.",
-    503: "Not ready, or no engine or store available right now: nothing was stored; retry.",
-    507: "The rollout store is full: the turn was not stored.",
-}
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` of a route: the error statuses it can answer, each with the envelope's schema."""
-    return {status: {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]} for status in statuses}
-
-
-# With "stream": true a generation answers server-sent events.
-_STREAMED = {200: {"description": "The answer; server-sent events with \"stream\": true.",
-                   "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
-_TURN_ERRORS = {**_STREAMED, **_errors(400, 401, 404, 409, 413, 422, 500, 503, 507)}
-_ROLLOUT_ERRORS = _errors(400, 401, 404, 503)
-
-
-def _openapi_without_validation_errors(app: FastAPI):
-    """FastAPI documents a 422 with its own validation-error body on every route with parameters;
-    this service answers validation errors as a 400 with the OpenAI envelope (``_validation``), so
-    those are dropped (a route's own 422, an Idempotency-Key reuse, stays)."""
-    default = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = default()
-            for ops in schema.get("paths", {}).values():
-                for op in ops.values():
-                    answer = op.get("responses", {}).get("422", {})
-                    ref = answer.get("content", {}).get("application/json", {}).get("schema", {}).get("$ref")
-                    if ref == "#/components/schemas/HTTPValidationError":
-                        del op["responses"]["422"]
-                    for status, answer in op.get("responses", {}).items():  # errors are JSON on HTML routes too
-                        content = answer.get("content", {})
-                        if int(status) >= 400 and "text/html" in content:
-                            content["application/json"] = content.pop("text/html")
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    return openapi
-
-
-def create_app() -> FastAPI:
-    app = FastAPI(title="rollout-service", version="0.2.0",
-                  description="OpenAI-compatible generations for RL rollouts, exactly on-policy at the token level.",
-                  dependencies=[Depends(unicode_body)])
-    app.add_middleware(_Guard)
-    app.add_middleware(_Metered)  # added last: outermost, so refusals by _Guard are counted too
-
-    @app.exception_handler(ServiceError)
-    async def _service_error(request: Request, exc: ServiceError):
-        return error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        headers = exc.headers
-        if exc.status_code == 405:  # Allow (RFC 9110): every method of the path, not only its first route's
-            methods = {m for r in request.app.routes if r.matches(request.scope)[0] != Match.NONE
-                       for m in (getattr(r, "methods", None) or ())}
-            headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))} if methods else headers
-        return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}},
-                            status_code=exc.status_code, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        err = errors[0] if errors else {}
-        param = _param_of(err.get("loc", ()))
-        msg = str(err.get("msg", "invalid request"))
-        if err.get("type") == "json_invalid":
-            return error_response(bad_request(f"request body is not valid JSON: {msg}", code="invalid_json"))
-        if err.get("type") == "missing" and param is None:
-            return error_response(bad_request("request body is required"))
-        return error_response(bad_request(f"{param}: {msg}" if param else msg, param=param))
-
-    app.openapi = _openapi_without_validation_errors(app)
-    return app
-
-
 fastapi_app = create_app()
-
-
-async def _guard_events(events: AsyncIterator) -> AsyncIterator:
-    """Unexpected failures of a call as ServiceErrors: 503 when an engine or replica is gone, else 500."""
-    try:
-        async for event in events:
-            yield event
-    except ServiceError:
-        raise
-    except Exception as exc:
-        status, envelope = _unexpected(exc)
-        raise ServiceError.from_result({"__error__": status, **envelope}) from None
-
-
-async def _safe_stream(dialect, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """A failure while formatting a stream ends it with the dialect's error event, not a cut connection."""
-    try:
-        async for frame in frames:
-            yield frame
-    except Exception as exc:
-        status, envelope = _unexpected(exc)
-        yield dialect.error_frame(ServiceError.from_result({"__error__": status, **envelope}))
-
-
-def _unexpected(exc: Exception) -> tuple[int, dict[str, Any]]:
-    import ray.exceptions as rex
-
-    from rollout_service.fleet.client import is_engine_death
-
-    if isinstance(exc, (rex.RayActorError, rex.ActorUnavailableError)) or is_engine_death(exc):
-        err = ServiceError(503, f"a replica or engine became unavailable, retry: {type(exc).__name__}",
-                           type="service_unavailable", code="replica_unavailable")
-    else:
-        logger.exception("unhandled error", exc_info=exc)
-        err = ServiceError(500, f"{type(exc).__name__}: {exc}"[:500], type="server_error")
-    return err.status, err.envelope()
-
-
-# The viewer's page loads nothing and runs nothing: token text is escaped, and this makes sure.
-_VIEWER_HEADERS = {"content-security-policy": "default-src 'none'; style-src 'unsafe-inline'",
-                   "x-content-type-options": "nosniff"}
+KEYED = [Depends(require_api_key)]  # every route but /health: probes need no key
 
 
 def _path_rollout_id(rollout_id: str) -> str:
-    from rollout_service.serve.dialects.common import _valid_rollout_id
-
-    return _valid_rollout_id(rollout_id, "rollout_id")
+    return valid_rollout_id(rollout_id, "rollout_id")
 
 
 def _cached(store, max_rollouts: int):
@@ -442,13 +104,13 @@ def _cached(store, max_rollouts: int):
 
 # ---------------------------------------------------------------------------------------- deployment
 @serve.ingress(fastapi_app)
-class RolloutService:
+class RolloutService(ForwardingReplica):
     """HTTP dialects + the turn runner for the rollouts routed to this replica."""
 
     def __init__(self, config: dict[str, Any]):
         self.config = resolve_config(config)
-        _Guard.api_key = self.config.service.api_key
-        _Guard.max_bytes = self.config.service.max_request_bytes
+        fastapi_app.state.api_key = self.config.service.api_key
+        BodySizeGuard.max_bytes = self.config.service.max_request_bytes
         self.served_name = self.config.engine.resolved_served_name()
         self.model_root = self.config.engine.resolved_model()
         self._runner = None
@@ -507,130 +169,12 @@ class RolloutService:
         except Exception as exc:
             raise ServiceError(503, f"not ready: {type(exc).__name__}: {exc}"[:500], type="service_unavailable") from None
 
-    # ------------------------------------------------------------------ routing
-    def _owns(self, rollout_id: str) -> bool:
-        """True when the router placed this request by its rollout id (we are the owning replica).
-
-        Under HAProxy every replica owns what reaches it: HAProxy's hash is the only placement (a
-        handle call could not reach the replica it picked), and the store keeps a call on another
-        replica exact."""
-        if self.haproxy:
-            return True
-        try:
-            session = serve.context._get_serve_request_context().session_id
-        except Exception:
-            return False
-        return session == rollout_id
-
-    def _owner(self, rollout_id: str, *, stream: bool):
-        if self._self_handle is None:
-            self._self_handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=self.app_name)
-        self.forwarded += 1
-        return self._self_handle.options(session_id=rollout_id, stream=stream)
-
-    def _note_forward(self, request: Request, rollout_id: str) -> None:
-        if not self._warned_routing and request.headers.get(ROLLOUT_HEADER) == rollout_id:
-            self._warned_routing = True
-            logger.warning("the Serve proxy did not route X-Rollout-Id to its replica: start Ray with %s=%s (every "
-                           "call now takes one extra internal hop)", SESSION_HEADER_ENV, ROLLOUT_HEADER)
-
-    async def _events(self, turn: TurnRequest, request: Request) -> AsyncIterator:
-        """The runner's events for a turn, run here or on the replica that owns its rollout."""
-        if turn.rollout_id is None or self._owns(turn.rollout_id):
-            async for event in self._local_events(turn):
-                yield event
-            return
-        self._note_forward(request, turn.rollout_id)
-        timeout = self.config.service.forward_accept_timeout_s
-        # The owner starts the turn only before half the timeout has passed, so an acceptance is back
-        # here before this side gives up: the turn never runs on both (clocks of one cluster agree to
-        # well under that; if they did not, one of the two conditional appends would lose: a 409).
-        events = self._owner(turn.rollout_id, stream=True).run_forwarded.remote(
-            turn, time.time() + timeout / 2, self.config.service.forward_heartbeat_s)
-        try:
-            await _next_within(events, timeout)  # run_forwarded's TurnAccepted
-        except (asyncio.TimeoutError, StopAsyncIteration):
-            # No acceptance in time. Measured (docs/data-plane.md): about 1 in 200 forwarded turns
-            # whose owner ran and stored the turn but whose streamed events never came back through
-            # Serve's handle; or the call was refused there as too late.
-            _abandon(events)
-            async for event in self._fallback_events(turn, "not-accepted",
-                                                     f"not accepted by its owner within {timeout:.1f} s"):
-                yield event
-            return
-        streamed = answered = False
-        while True:
-            # The owner sends a heartbeat whenever the turn is quiet for forward_heartbeat_s, so
-            # silence for the whole timeout means the stream is lost, not that the turn is slow.
-            try:
-                event = await _next_within(events, timeout)
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                if answered:  # only the stream's end is missing: the answer is here
-                    return
-                _abandon(events)  # the owner's turn stops there (its engine call is aborted) if it is still running
-                if streamed:  # the client has part of the answer: it must retry (answered from the store)
-                    self.forward_fallbacks += 1
-                    logger.warning("forwarded turn of rollout %s: its owner's stream went silent for %.1f s after "
-                                   "deltas were sent: ending the stream with a retryable error", turn.rollout_id,
-                                   timeout)
-                    raise ServiceError(503, f"the replica owning rollout {turn.rollout_id!r} stopped answering; retry "
-                                       "(a turn it stored is answered from the store)", type="service_unavailable",
-                                       code="forward_lost")
-                async for event in self._fallback_events(turn, "silent", f"its owner's stream silent for {timeout:.1f} s"):
-                    yield event
-                return
-            if isinstance(event, TurnHeartbeat):
-                continue
-            if isinstance(event, TurnError):
-                raise ServiceError.from_result({"__error__": event.status, **event.envelope})
-            if isinstance(event, TokenDelta):
-                streamed = True
-            elif isinstance(event, TurnResult):
-                answered = True
-            yield event
-
-    async def _fallback_events(self, turn: TurnRequest, reason: str, why: str) -> AsyncIterator:
-        """A forwarded turn given up (``reason``: not-accepted | silent) runs here, exact from the
-        store: a turn the owner stored is answered from it (replayed), never run twice or forked; one
-        the owner is still running (its cancellation lost too) meets the conditional append: one of
-        the two is a 409, and a retry is answered from the store."""
-        self.forward_fallbacks += 1
-        logger.warning("forwarded turn of rollout %s %s: running it here", turn.rollout_id, why)
-        async for event in self._local_events(dataclasses.replace(turn, replay_if_stored=True)):
-            if isinstance(event, TurnResult):
-                event.forward_fallback = reason
-            yield event
-
     async def _local_events(self, turn: TurnRequest) -> AsyncIterator:
         runner = await self._runner_or_503()
         async for event in runner.run_turn(turn):
             if isinstance(event, TurnResult):
                 event.replica = self.replica_id
             yield event
-
-    async def run_forwarded(self, turn: TurnRequest, accept_by: float | None = None, heartbeat_s: float | None = None):
-        """A turn forwarded by another replica (this one owns its rollout); errors travel as data.
-        The first event says it was accepted (:class:`TurnAccepted`); after ``accept_by`` (epoch
-        seconds) it is refused with no event: the sender runs it itself. Then the turn's events,
-        with a :class:`TurnHeartbeat` after every ``heartbeat_s`` without one."""
-        if accept_by is not None and time.time() > accept_by:
-            logger.warning("forwarded turn of rollout %s arrived %.3f s after its acceptance deadline: left to "
-                           "the replica that received it", turn.rollout_id, time.time() - accept_by)
-            return
-        yield TurnAccepted(self.replica_id)
-        try:
-            events = self._local_events(turn)
-            if heartbeat_s:
-                events = _with_heartbeats(events, heartbeat_s)
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    yield event
-        except ServiceError as exc:
-            yield TurnError(exc.status, exc.envelope())
-        except Exception as exc:
-            yield TurnError(*_unexpected(exc))
 
     async def _read(self, op: str, kwargs: dict[str, Any]):
         """A rollout read / delete / tokenize, on this replica: the store is the truth (an owner's
@@ -644,10 +188,10 @@ class RolloutService:
                                type="not_found_error", param="model", code="model_not_found")
 
     async def _answer(self, events: AsyncIterator, dialect, req, stream: bool):
-        events = _guard_events(_observed(events, stream))
+        events = guard_events(observed(events, stream))
         first = await events.__anext__()  # an error raises here, before any byte is sent
         if stream:
-            return StreamingResponse(_safe_stream(dialect, dialect.stream(first, events, req, self.served_name)),
+            return StreamingResponse(safe_stream(dialect, dialect.stream(first, events, req, self.served_name)),
                                      media_type="text/event-stream",
                                      headers={"x-rollout-replica": self.replica_id})
         event = first
@@ -666,27 +210,27 @@ class RolloutService:
         return Response(body.model_dump_json(exclude_unset=True), media_type="application/json", headers=headers)
 
     # ------------------------------------------------------------------ routes
-    @fastapi_app.post("/v1/chat/completions", responses=_TURN_ERRORS)
+    @fastapi_app.post("/v1/chat/completions", responses=TURN_ERRORS, dependencies=KEYED)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request,
                                headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
         turn = chat.turn_request(body, headers)
         return await self._answer(self._events(turn, request), chat, body, body.stream)
 
-    @fastapi_app.post("/v1/responses", responses=_TURN_ERRORS)
+    @fastapi_app.post("/v1/responses", responses=TURN_ERRORS, dependencies=KEYED)
     async def responses(self, body: ResponsesRequest, request: Request,
                         headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
         turn = responses.turn_request(body, headers)
         return await self._answer(self._events(turn, request), responses, body, body.stream)
 
-    @fastapi_app.post("/v1/completions", responses={**_STREAMED, **_errors(400, 401, 404, 413, 500, 503)})
+    @fastapi_app.post("/v1/completions", responses={**STREAMED, **errors_doc(400, 401, 404, 413, 500, 503)}, dependencies=KEYED)
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
         runner = await self._runner_or_503()
         return await self._answer(runner.run_completion(completions.call(body)), completions, body, body.stream)
 
-    @fastapi_app.post("/tokenize", responses=_errors(400, 401, 404, 409, 413, 503))
+    @fastapi_app.post("/tokenize", responses=errors_doc(400, 401, 404, 409, 413, 503), dependencies=KEYED)
     async def tokenize(self, body: TokenizeRequest, headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
         body.refuse_unhonoured()
@@ -699,21 +243,21 @@ class RolloutService:
                   "required_prefix_token_ids": body.required_prefix_token_ids}
         return JSONResponse(await self._read("tokenize", kwargs))
 
-    @fastapi_app.get("/v1/rollouts/{rollout_id}", responses=_ROLLOUT_ERRORS)
+    @fastapi_app.get("/v1/rollouts/{rollout_id}", responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def get_rollout(self, rollout_id: RolloutIdPath):
         return JSONResponse(await self._read("get_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))
 
-    @fastapi_app.delete("/v1/rollouts/{rollout_id}", responses=_ROLLOUT_ERRORS)
+    @fastapi_app.delete("/v1/rollouts/{rollout_id}", responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def delete_rollout(self, rollout_id: RolloutIdPath):
         return JSONResponse(await self._read("delete_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))
 
-    @fastapi_app.get("/rollouts/{rollout_id}/view", response_class=HTMLResponse, responses=_ROLLOUT_ERRORS)
+    @fastapi_app.get("/rollouts/{rollout_id}/view", response_class=HTMLResponse, responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def view_rollout(self, rollout_id: RolloutIdPath):
         """The trajectory viewer: one self-contained page; the policy forbids anything external or scripted."""
         page = await self._read("view_rollout", {"rollout_id": _path_rollout_id(rollout_id)})
-        return HTMLResponse(page, headers=_VIEWER_HEADERS)
+        return HTMLResponse(page, headers=VIEWER_HEADERS)
 
-    @fastapi_app.get("/v1/status", responses=_errors(401, 503))
+    @fastapi_app.get("/v1/status", responses=errors_doc(401, 503), dependencies=KEYED)
     async def status(self):
         """Operator's view (``rollout-service status``): engines, the last refit, stored rollouts.
 
@@ -745,15 +289,15 @@ class RolloutService:
             "errors": errors,
         })
 
-    @fastapi_app.get("/v1/models", responses=_errors(401))
+    @fastapi_app.get("/v1/models", responses=errors_doc(401), dependencies=KEYED)
     async def models(self):
         return JSONResponse({"object": "list", "data": [{
             "id": self.served_name, "object": "model", "created": int(time.time()), "owned_by": "rollout-service",
             "root": self.model_root, "parent": None, "max_model_len": self.config.engine.max_model_len,
         }]})
 
-    @fastapi_app.head("/health", responses=_errors(503))  # load balancers probe with either
-    @fastapi_app.get("/health", responses=_errors(503))
+    @fastapi_app.head("/health", responses=errors_doc(503))  # load balancers probe with either
+    @fastapi_app.get("/health", responses=errors_doc(503))
     async def health(self):
         try:
             runner = await asyncio.wait_for(self._ready(), timeout=30)

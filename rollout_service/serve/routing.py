@@ -21,10 +21,24 @@ routing going until that request is fulfilled.
 
 from __future__ import annotations
 
+import os
+
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import RequestRouter
 
 ROUTER_CLASS = "rollout_service.serve.routing:RolloutRouter"
+DEPLOYMENT_NAME = "RolloutService"
+ROLLOUT_HEADER = "x-rollout-id"
+# The Serve proxy reads this before it starts; every launch mode sets it (runtime.RAY_ENV, the
+# KubeRay manifests, docs for `serve run` / `serve deploy`).
+SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+
+
+def haproxy_mode() -> bool:
+    """Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1`` before Ray starts): HAProxy hashes
+    ``X-Rollout-Id`` to a replica that serves HTTP itself; no custom request router is allowed."""
+    return os.environ.get(HAPROXY_ENV) == "1"
 
 
 class RolloutRouter(ConsistentHashRouter):

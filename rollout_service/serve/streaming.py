@@ -33,13 +33,13 @@ class StreamParser:
         if reasoning_parser and not silent:
             from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-            from rollout_service.onpolicy.parsing import _parser_cls, _TokenizerKey, _vllm_tokenizer
+            from rollout_service.onpolicy.parsing import TokenizerKey, parser_class, vllm_tokenizer
 
-            vtok = _vllm_tokenizer(tokenizer)
+            vtok = vllm_tokenizer(tokenizer)
             kwargs = dict(chat_template_kwargs or {})
             request = ChatCompletionRequest(model="rollout-service", messages=[{"role": "user", "content": ""}],
                                             chat_template_kwargs=kwargs or None)
-            self._parser = _parser_cls(reasoning_parser, None, _TokenizerKey(vtok))(vtok, None, chat_template_kwargs=kwargs)
+            self._parser = parser_class(reasoning_parser, None, TokenizerKey(vtok))(vtok, None, chat_template_kwargs=kwargs)
             self._request = self._parser.adjust_request(request)
 
     def push(self, ids: list[int], finished: bool = False) -> tuple[str, str]:

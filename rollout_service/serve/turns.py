@@ -14,18 +14,17 @@ while the original is still running waits for it and gets its answer.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.engine.replica import GenerateRequest
+from rollout_service.engine.types import GenerateRequest
 from rollout_service.engine.sampling import SamplingOptions, SamplingParamsError
 from rollout_service.metrics import get_metrics
-from rollout_service.fleet.client import FleetClient, NoEngineAvailable, is_engine_death
+from rollout_service.fleet.client import FleetClient
+from rollout_service.fleet.types import EngineLostDuringCall, NoEngineAvailable
 from rollout_service.onpolicy import (
     ChatTemplate,
     HistoryConflict,
@@ -35,24 +34,28 @@ from rollout_service.onpolicy import (
     parse_output,
     state_from_echo,
 )
-from rollout_service.onpolicy.parsing import structured_outputs_for, tool_parser_raises_strictness
 from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_turn, stored_answer
-from rollout_service.onpolicy.trajectory import trajectory_export
-from rollout_service.onpolicy.echo import _checked_echo
+from rollout_service.onpolicy.echo import checked_echo
 from rollout_service.onpolicy.errors import InvalidEcho, InvalidPrefix, PrefixNotContinuable
 from rollout_service.onpolicy.prefix import checked_prefix, plan_on_prefix
-from rollout_service.onpolicy.types import RolloutState, Segment, WeightSpan
-from rollout_service.protocol.openai import ServiceError, bad_request
+from rollout_service.onpolicy.types import RolloutState, WeightSpan
+from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.constraints import (
+    Constraints,
+    forced_json_schema,
+    grammar_from_start,
+    name_the_grammar,
+    parse_forced,
+    vllm_tool_choice,
+)
+from rollout_service.serve.dialects.common import optional_rollout_id
+from rollout_service.serve.errors import engine_refusal, http_error, key_reused
+from rollout_service.serve.reads import RolloutReads
 from rollout_service.serve.streaming import StreamParser
 from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnRequest, TurnResult
-from rollout_service.store.base import InvalidRolloutId, StoreError, StoreUnavailable, TurnConflict, validate_rollout_id
+from rollout_service.store.base import StoreError
 
 logger = logging.getLogger(__name__)
-
-try:  # the store signals a full Redis (maxmemory, noeviction) with its own error type
-    from rollout_service.store.base import StoreFull
-except ImportError:  # pragma: no cover - older store module
-    StoreFull = None  # type: ignore[assignment]
 
 _CLIENT_ERRORS = (HistoryConflict, UnsupportedConversation, InvalidEcho, InvalidPrefix, PrefixNotContinuable)
 
@@ -76,13 +79,16 @@ def _chat_template(config: RolloutServiceConfig, tokenizer) -> ChatTemplate:
     return ChatTemplate(tokenizer, source, name=name)
 
 
-class TurnRunner:
+class TurnRunner(RolloutReads):
+    """Runs the calls of the rollouts routed to this replica (and answers reads: :class:`RolloutReads`)."""
+
     def __init__(self, config: RolloutServiceConfig, fleet: FleetClient, store, tokenizer):
         self.config = config
         self.fleet = fleet
         self.store = store
         self.tokenizer = tokenizer
         self.template = _chat_template(config, tokenizer)
+        self.constraints = Constraints(config, tokenizer)
         self.vocab_size = _vocab_size(config, tokenizer)
         self.max_model_len = config.engine.max_model_len
         self.in_flight: dict[str, _InFlight] = {}
@@ -144,10 +150,8 @@ class TurnRunner:
     async def _load(self, rollout_id: str) -> RolloutState | None:
         try:
             return await self._store_op("load", self.store.load(rollout_id))
-        except StoreUnavailable as exc:
-            raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
         except StoreError as exc:
-            raise ServiceError(503, f"rollout store error: {exc}", type="service_unavailable") from None
+            raise http_error(exc) from None
 
     def _echo_state(self, req: TurnRequest) -> tuple[RolloutState | None, list[dict]]:
         try:
@@ -155,13 +159,13 @@ class TurnRunner:
                                    chat_template_kwargs=self._template_kwargs(req),
                                    reasoning_policy=self.config.service.reasoning_policy)
         except _CLIENT_ERRORS as exc:
-            raise _core_error(exc) from None
+            raise http_error(exc) from None
 
     def _required_prefix(self, value: Any) -> list[int] | None:
         try:
             return checked_prefix(value, self.vocab_size)
         except InvalidPrefix as exc:
-            raise _core_error(exc) from None
+            raise http_error(exc) from None
 
     def _plan(self, state, messages, req: TurnRequest, prefix: list[int] | None = None):
         """The prompt plan; with a required prefix (docs/data-plane.md): a stateless call, or a rollout's
@@ -171,7 +175,7 @@ class TurnRunner:
             if req.rollout_id is not None or prefix is not None:
                 # A stored rollout (or a required prefix) does not use echoed ids, but malformed
                 # ones are still a client bug: the same 400 as in stateless mode.
-                _checked_echo(messages, self.vocab_size)
+                checked_echo(messages, self.vocab_size)
             if prefix is not None and (state is None or not state.turn):
                 return plan_on_prefix(prefix, messages, template=self.template, tools=req.tools,
                                       chat_template_kwargs=self._template_kwargs(req),
@@ -183,7 +187,7 @@ class TurnRunner:
                                 history_policy=req.history_policy or self.config.service.history_policy,
                                 reasoning_policy=self.config.service.reasoning_policy)
         except _CLIENT_ERRORS as exc:
-            raise _core_error(exc) from None
+            raise http_error(exc) from None
         if prefix is not None and plan.prompt_ids[: len(prefix)] != prefix:
             ids = plan.prompt_ids
             at = next((j for j, (a, b) in enumerate(zip(ids, prefix)) if a != b), min(len(ids), len(prefix)))
@@ -199,75 +203,6 @@ class TurnRunner:
             wanted.update(top or {})
         return {int(i): self.tokenizer.decode([int(i)]) for i in wanted}
 
-    # ------------------------------------------------------------------ reads
-    async def tokenize(self, *, rollout_id: str | None, prompt: str | None, messages: list[dict] | None,
-                       tools: list[dict] | None, chat_template_kwargs: dict | None, add_special_tokens: bool,
-                       return_token_strs: bool, required_prefix_token_ids: Any = None) -> dict[str, Any]:
-        """The prompt ids the next call of this rollout would use (nothing generated or stored)."""
-        if prompt is not None:
-            if self._required_prefix(required_prefix_token_ids):  # malformed: its own 400, never ignored
-                raise bad_request("required_prefix_token_ids applies to the messages form of /tokenize (a prompt is "
-                                  "tokenized as given)", param="required_prefix_token_ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            req = TurnRequest(messages=messages or [], tools=tools, chat_template_kwargs=chat_template_kwargs,
-                              rollout_id=_rollout_id(rollout_id), required_prefix_token_ids=required_prefix_token_ids)
-            prefix = self._required_prefix(req.required_prefix_token_ids)
-            if req.rollout_id is None and prefix is None:
-                state, msgs = self._echo_state(req)
-            elif req.rollout_id is None:
-                state, msgs = None, req.messages
-            else:
-                state, msgs = await self._load(req.rollout_id), req.messages
-            ids = self._plan(state, msgs, req, prefix).prompt_ids
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
-        if return_token_strs:
-            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-        return out
-
-    async def get_rollout(self, rollout_id: str) -> dict[str, Any]:
-        return trajectory_export(await self._stored(rollout_id, self.store.load))
-
-    async def view_rollout(self, rollout_id: str) -> str:
-        """The rollout as one self-contained HTML page (``serve/viewer.py``), rendered off the event
-        loop: a long rollout is tens of thousands of token spans and must not stall the turns. The
-        thread gets a copy: the state cache advances its states in place when a turn is appended."""
-        from rollout_service.serve.viewer import render_trajectory_html
-
-        state = await self._stored(rollout_id, self.store.load)
-        snapshot = RolloutState(state.rollout_id, state.turn, [
-            Segment(list(s.token_ids), list(s.loss_mask), list(s.logprobs), list(s.turns), list(s.messages),
-                    dict(s.render_context)) for s in state.segments])
-        return await asyncio.to_thread(render_trajectory_html, snapshot, self.tokenizer,
-                                       reasoning_policy=self.config.service.reasoning_policy)
-
-    async def count_rollouts(self) -> int | None:
-        """Rollouts in the durable store under our key prefix (None: the store cannot count)."""
-        store = getattr(self.store, "inner", self.store)  # past the replica's state cache
-        count = getattr(store, "count_rollouts", None)
-        if count is None:
-            return None
-        try:
-            return await count()
-        except StoreError as exc:
-            raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
-
-    async def delete_rollout(self, rollout_id: str) -> dict[str, Any]:
-        await self._stored(rollout_id, self.store.delete)
-        return {"id": rollout_id, "object": "rollout.deleted", "deleted": True}
-
-    async def _stored(self, rollout_id: str, op):
-        try:
-            validate_rollout_id(rollout_id)
-            result = await self._store_op(_STORE_OPS.get(op.__name__, op.__name__), op(rollout_id))
-        except InvalidRolloutId as exc:
-            raise bad_request(str(exc), param="rollout_id") from None
-        except StoreUnavailable as exc:
-            raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
-        if not result:
-            raise ServiceError(404, f"rollout {rollout_id!r} not found", type="not_found_error", code="rollout_not_found")
-        return result
-
     # ------------------------------------------------------------------ a call
     def run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
         """Run one model call: ``TokenDelta`` events (streaming only), then one ``TurnResult``."""
@@ -276,7 +211,7 @@ class TurnRunner:
         return _counted("stateful" if req.rollout_id is not None else "stateless", self._run_turn(req))
 
     async def _run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
-        rollout_id = _rollout_id(req.rollout_id)
+        rollout_id = optional_rollout_id(req.rollout_id)
         if rollout_id is None:
             async for event in self._run(req, None, None):
                 yield event
@@ -290,7 +225,7 @@ class TurnRunner:
                 raise ServiceError(409, f"rollout {rollout_id!r} already has a call in flight", type="conflict_error",
                                    code="concurrent_turn")
             if req.idempotency_key is not None and running.digest != digest:
-                raise _key_reused(req.idempotency_key)
+                raise key_reused(req.idempotency_key)
             try:  # a retry of the call still running: wait for it, then answer with what it stored
                 await asyncio.wait_for(running.done.wait(), REPLAY_WAIT_S)
             except asyncio.TimeoutError:
@@ -345,7 +280,7 @@ class TurnRunner:
         except NotReplayable:
             return None  # stored before answers were kept: run it as a new call
         if req.idempotency_key is not None and r.request_digest not in (None, digest):
-            raise _key_reused(req.idempotency_key)
+            raise key_reused(req.idempotency_key)
         answer = r.to_dict()
         ids = answer["generation_token_ids"]
         return TurnResult(
@@ -359,12 +294,12 @@ class TurnRunner:
     async def _run(self, req: TurnRequest, state: RolloutState | None, digest: str | None) -> AsyncIterator[TokenDelta | TurnResult]:
         rollout_id = req.rollout_id
         messages = req.messages
-        json_forced = self._json_forced(req)
-        structured = _structured_outputs(req) if json_forced else self._constraint(req)
+        json_forced = self.constraints.json_forced(req)
+        structured = forced_json_schema(req) if json_forced else self.constraints.grammar(req)
         constrained = structured is not None
         # A grammar from the first token (forced call, response_format) leaves no room for a <think>
         # block: the whole output is the answer, not reasoning the parser would assume it is.
-        reasoning_parser = None if _grammar_from_start(req, structured) else self.config.engine.reasoning_parser
+        reasoning_parser = None if grammar_from_start(req, structured) else self.config.engine.reasoning_parser
         sampling = self._sampling(req.sampling, req.top_logprobs, structured)
         prefix = self._required_prefix(req.required_prefix_token_ids)
         if rollout_id is None and prefix is None:
@@ -390,7 +325,7 @@ class TurnRunner:
         prompt_sent = False
         chunks = self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=req.stream)
         if constrained:
-            chunks = self._constrained_refusal(chunks, req)
+            chunks = name_the_grammar(chunks, req)
         async for chunk in chunks:
             ids += chunk.token_ids
             lps += chunk.logprobs
@@ -416,7 +351,7 @@ class TurnRunner:
             delta = finish_turn(state if state is not None else RolloutState(rollout_id), plan, gen_ids=ids, logprobs=lps,
                                 finish_reason=finish_reason, weight_versions=spans, assistant_message=message)
         except HistoryConflict as exc:
-            raise _core_error(exc) from None
+            raise http_error(exc) from None
         if rollout_id is not None:
             delta.record.request_digest = digest
             delta.record.idempotency_key = req.idempotency_key
@@ -438,68 +373,17 @@ class TurnRunner:
     async def _append(self, rollout_id: str, delta, expected_turn: int) -> None:
         try:
             await self._store_op("append", self.store.append_turn(rollout_id, delta, expected_turn=expected_turn))
-        except TurnConflict as exc:
-            raise ServiceError(409, str(exc), type="conflict_error", code="concurrent_turn") from None
-        except StoreUnavailable as exc:
-            raise ServiceError(503, f"rollout store unavailable: {exc}", type="service_unavailable") from None
-        except StoreError as exc:
-            if StoreFull is not None and isinstance(exc, StoreFull):
-                raise ServiceError(507, f"rollout store is full, the turn was not stored: {exc}", type="server_error",
-                                   code="store_full") from None
-            raise ServiceError(503, f"rollout store error: {exc}", type="service_unavailable") from None
-
-    def _json_forced(self, req: TurnRequest) -> bool:
-        """A forced tool call sampled as bare JSON (``engine.forced_tool_call_format: json``, or no
-        tool parser to give the model's own format), parsed as JSON rather than by the tool parser."""
-        ec = self.config.engine
-        return req.tool_choice.forced and (ec.forced_tool_call_format == "json" or not ec.tool_parser)
-
-    def _constraint(self, req: TurnRequest) -> dict[str, Any] | None:
-        """The grammar vLLM's server would use for this call: the tool parser's own tool-call format
-        (structural tag) for a forced ``tool_choice``, ``response_format``, strict tools."""
-        if not req.tools and req.response_format is None:
-            return None
-        ec = self.config.engine
-        if (req.response_format is None and req.tool_choice.mode in ("auto", "none") and ec.tool_strict_level == "auto"
-                and req.parallel_tool_calls is not False
-                and not any((t.get("function") or {}).get("strict") is True for t in req.tools or [])
-                and not tool_parser_raises_strictness(ec.tool_parser)):
-            return None  # vLLM's rule, without building its request: nothing constrains a free call
-        from vllm.exceptions import VLLMClientError
-
-        try:
-            return structured_outputs_for(
-                tokenizer=self.tokenizer, reasoning_parser=ec.reasoning_parser,
-                tool_parser=ec.tool_parser if req.tool_choice.mode != "none" else None,
-                tools=req.tools, tool_choice=_vllm_tool_choice(req), parallel_tool_calls=req.parallel_tool_calls,
-                response_format=req.response_format, strict_level=ec.tool_strict_level,
-                max_json_whitespace=1 if ec.compact_structured_json else None)
-        except (ValueError, TypeError, VLLMClientError) as exc:  # pydantic's ValidationError is a ValueError;
-            # vLLM's own (a json_schema format without a schema: "none are specified")
-            raise bad_request(f"response_format: {_first_error(exc)}", param="response_format",
-                              code="invalid_response_format") from None
-
-    @staticmethod
-    async def _constrained_refusal(chunks, req: TurnRequest):
-        """The engine refusing a constrained call is its grammar (a schema it cannot compile): name it."""
-        try:
-            async for chunk in chunks:
-                yield chunk
-        except ServiceError as exc:
-            if exc.code == "engine_rejected_request" and exc.param is None:
-                exc.param = "response_format" if req.response_format is not None else "tools"
-            raise
-        finally:
-            await chunks.aclose()  # an abandoned call cancels its engine request at once
+        except StoreError as exc:  # a concurrent turn (409), a full store (507), unavailable (503)
+            raise http_error(exc) from None
 
     def _parse(self, ids: list[int], req: TurnRequest, prompt_ids: list[int], parse_tools: bool,
                json_forced: bool, reasoning_parser: str | None) -> dict[str, Any]:
         if json_forced:
-            return _parse_forced(self.tokenizer.decode(ids, skip_special_tokens=True), req.tool_choice)
+            return parse_forced(self.tokenizer.decode(ids, skip_special_tokens=True), req.tool_choice)
         ec = self.config.engine
         out = parse_output(ids, tokenizer=self.tokenizer, reasoning_parser=reasoning_parser,
                            tool_parser=ec.tool_parser if parse_tools else None, tools=req.tools,
-                           tool_choice=_vllm_tool_choice(req) if parse_tools else "auto",
+                           tool_choice=vllm_tool_choice(req) if parse_tools else "auto",
                            parallel_tool_calls=req.parallel_tool_calls, strict_level=ec.tool_strict_level,
                            chat_template_kwargs=self._template_kwargs(req), prompt_ids=prompt_ids)
         message: dict[str, Any] = {"role": "assistant", "content": out.content or "",
@@ -544,50 +428,25 @@ class TurnRunner:
 
     # ------------------------------------------------------------------ engine
     async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True):
-        """Generate on the rollout's pinned engine (pinned at its first turn to the least loaded one).
-
-        An engine that dies (killed, crashed, or declared hung and killed by the fleet) before this
-        call has passed on any token is not the client's problem: the call is retried on another
-        engine from the same prompt ids (a non-streaming call passes nothing on until it is done).
-        Once tokens were streamed, the call fails with 503 and nothing is stored; the rollout's next
-        call continues from its stored tokens on a live engine. Streaming calls get the engine's
-        chunks as they come; a non-streaming call is one round trip (``FleetClient.generate``).
-        """
-        attempts = max(2, len(self.fleet.members()))  # each live engine once; at least one retry
-        for attempt in range(attempts):
-            try:
-                member = self.fleet.pick(rollout_id)
-            except NoEngineAvailable as exc:
-                raise ServiceError(503, str(exc), type="service_unavailable", code="no_engine") from None
-            request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens)
-            produced = False
-            self.fleet.acquire(member)
-            chunks = self.fleet.generate(member, request, stream)
-            try:
-                async for chunk in chunks:
-                    produced = True
-                    yield chunk
-                return
-            except Exception as exc:
-                refused = _engine_refusal(exc)
-                if refused is not None:
-                    raise refused from None
-                if not is_engine_death(exc):
-                    raise
-                self.fleet.report_lost(member, exc)
-                if not produced and attempt + 1 < attempts:
-                    logger.warning("engine slot %d died; retrying the call of rollout %s on another engine",
-                                   member.slot, rollout_id)
-                    continue
-                raise ServiceError(503, f"engine replica {member.slot} died during the call; nothing was stored, "
-                                   "retry the call (the rollout continues on a live engine)",
-                                   type="service_unavailable", code="engine_lost") from None
-            finally:
-                self.fleet.release(member)
-                await chunks.aclose()
+        """Generate on the rollout's engine, failing over to another engine while nothing was passed
+        on (:meth:`FleetClient.generate_with_failover`). Streaming calls get the engine's chunks as
+        they come; a non-streaming call is one round trip."""
+        request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens)
+        chunks = self.fleet.generate_with_failover(rollout_id, request, stream)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except (NoEngineAvailable, EngineLostDuringCall) as exc:
+            raise http_error(exc) from None
+        except Exception as exc:
+            refused = engine_refusal(exc)
+            if refused is not None:
+                raise refused from None
+            raise
+        finally:
+            await chunks.aclose()
 
 
-_STORE_OPS = {"load": "read", "delete": "delete"}  # RolloutStore method -> metrics op of a rollout read / delete
 
 
 async def _counted(mode: str, events: AsyncIterator) -> AsyncIterator:
@@ -620,113 +479,3 @@ def _vocab_size(config: RolloutServiceConfig, tokenizer) -> int:
         pass
     return size
 
-
-def _grammar_from_start(req: TurnRequest, structured: dict[str, Any] | None) -> bool:
-    """Whether the grammar constrains the first generated token. Only ``tool_choice: auto`` under
-    a triggered tag (strict tools, parallel_tool_calls false) leaves the text before a call free."""
-    if not structured:
-        return False
-    tag = structured.get("structural_tag")
-    if req.tool_choice.mode == "auto" and tag:
-        try:
-            return json.loads(tag).get("format", {}).get("type") not in ("triggered_tags", "token_triggered_tags")
-        except (ValueError, AttributeError):
-            return True
-    return True
-
-
-def _vllm_tool_choice(req: TurnRequest) -> Any:
-    tc = req.tool_choice
-    if tc.mode == "named":
-        return {"type": "function", "function": {"name": tc.name}}
-    return tc.mode
-
-
-def _first_error(exc: Exception) -> str:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        try:
-            err = errors()[0]
-            where = ".".join(str(p) for p in err.get("loc") or ())
-            return f"{where}: {err['msg']}" if where else str(err["msg"])
-        except Exception:  # noqa: BLE001 - fall back to the message
-            pass
-    return " ".join(str(exc).split())[:300]
-
-
-def _structured_outputs(req: TurnRequest) -> dict[str, Any] | None:
-    """The JSON form of a forced tool_choice: structured outputs over the tool's parameters."""
-    tc = req.tool_choice
-    if not tc.forced:
-        return None
-    tools = req.tools or []
-    if tc.mode == "named":
-        fn = next(t["function"] for t in tools if t["function"]["name"] == tc.name)
-        return {"json": fn.get("parameters") or {"type": "object"}}
-    variants = [
-        {"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                          "parameters": t["function"].get("parameters") or {"type": "object"}},
-         "required": ["name", "parameters"]}
-        for t in tools
-    ]
-    return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": variants}}}
-
-
-def _parse_forced(text: str, tc) -> dict[str, Any]:
-    """Output of a structured-output forced tool call: arguments (named) or a list of calls (required)."""
-    def call(name: str, args: Any) -> dict[str, Any]:
-        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
-
-    base = {"role": "assistant", "content": "", "reasoning_content": None}
-    try:
-        if tc.mode == "named":
-            json.loads(text)
-            return {**base, "tool_calls": [call(tc.name, text.strip())]}
-        items = json.loads(text)
-        calls = [call(it["name"], it.get("parameters", it.get("arguments", {}))) for it in items]
-    except (ValueError, KeyError, TypeError, AttributeError):  # cut off by max_tokens: the text, no call
-        return {**base, "content": text}
-    return {**base, "tool_calls": calls} if calls else {**base, "content": text}
-
-
-def _engine_refusal(exc: BaseException) -> ServiceError | None:
-    """The engine's own request validation (vLLM's ``VLLMClientError``, e.g. a tool's parameters
-    schema its grammar backend cannot compile for a forced tool_choice): a 400, not a 500."""
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:  # pragma: no cover - a replica always has vLLM
-        return None
-    cause = exc if isinstance(exc, VLLMClientError) else getattr(exc, "cause", None)
-    if not isinstance(cause, VLLMClientError):
-        return None
-    message = " ".join(str(cause.args[0] if cause.args else cause).split())[:500]
-    return bad_request(f"the engine refused the request: {message}", param=getattr(cause, "parameter", None),
-                       code="engine_rejected_request")
-
-
-def _key_reused(key: str) -> ServiceError:
-    return ServiceError(422, f"Idempotency-Key {key!r} was used for a different request on this rollout; a retry must "
-                        "repeat its request exactly", param="Idempotency-Key", code="idempotency_key_reused")
-
-
-def _rollout_id(rid: str | None) -> str | None:
-    if rid is None:
-        return None
-    try:
-        return validate_rollout_id(rid)
-    except InvalidRolloutId as exc:
-        raise bad_request(str(exc), param="X-Rollout-Id") from None
-
-
-def _core_error(exc: Exception) -> ServiceError:
-    if isinstance(exc, (InvalidPrefix, PrefixNotContinuable)):
-        code = "invalid_required_prefix" if isinstance(exc, InvalidPrefix) else "prefix_not_continuable"
-        return ServiceError(400, str(exc), param="required_prefix_token_ids", code=code)
-    if isinstance(exc, HistoryConflict):
-        param = f"messages[{exc.index}].{exc.field}" if exc.index is not None else "messages"
-        return ServiceError(409, str(exc), type="conflict_error", param=param, code="non_monotonic_history")
-    index, fld = getattr(exc, "index", None), getattr(exc, "field", None)
-    param = f"messages[{index}].{fld}" if index is not None and fld else (f"messages[{index}]" if index is not None else "messages")
-    code = "invalid_echo" if type(exc).__name__ == "InvalidEcho" else "unsupported_conversation"
-    return ServiceError(400, str(exc), param=param, code=code)

@@ -1,4 +1,5 @@
-"""Durable per-rollout history: the ``RolloutStore`` interface, Redis and in-memory implementations."""
+"""Durable per-rollout history: the ``RolloutStore`` interface and its Redis implementation (the
+in-memory double for unit tests is ``tests/memory_store.py``)."""
 
 from rollout_service.store.base import (
     InvalidRolloutId,
@@ -10,7 +11,6 @@ from rollout_service.store.base import (
     validate_rollout_id,
 )
 from rollout_service.store.embedded import EmbeddedRedis, EmbeddedRedisError
-from rollout_service.store.memory import MemoryRolloutStore
 from rollout_service.store.redis_store import RedisRolloutStore, parse_redis_url
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "EmbeddedRedisError",
     "InvalidRolloutId",
     "InvalidTurnDelta",
-    "MemoryRolloutStore",
     "RedisRolloutStore",
     "RolloutStore",
     "StoreError",

@@ -28,11 +28,28 @@ ROLLOUT_ID_PATTERN = f"^{_ROLLOUT_ID_RE.pattern}$"  # the same rule as a JSON Sc
 
 
 class StoreError(Exception):
-    """Base of every error a store raises on purpose."""
+    """Base of every error a store raises on purpose. Each carries what the HTTP layer answers with:
+    ``status``, ``error_type``, ``code``, and ``http_message`` (the message, said as the store's)."""
+
+    status: int = 503
+    error_type: str = "service_unavailable"
+    code: str | None = None
+    param: str | None = None
+    what = "rollout store error"
+
+    @property
+    def http_message(self) -> str:
+        return f"{self.what}: {self}" if self.what else str(self)
 
 
 class InvalidRolloutId(StoreError, ValueError):
     """A client-supplied rollout id cannot be stored as is (the HTTP layer answers 400)."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_rollout_id"
+    param = "rollout_id"
+    what = ""
 
     def __init__(self, rollout_id: object, reason: str):
         self.rollout_id = rollout_id
@@ -54,6 +71,11 @@ class TurnConflict(StoreError):
     exist), so the caller can tell a lost race from a stale client.
     """
 
+    status = 409
+    error_type = "conflict_error"
+    code = "concurrent_turn"
+    what = ""
+
     def __init__(self, rollout_id: str, expected: int, actual: int):
         self.rollout_id = rollout_id
         self.expected = expected
@@ -67,6 +89,8 @@ class TurnConflict(StoreError):
 class StoreUnavailable(StoreError):
     """The backend cannot be reached (the HTTP layer answers 503; the request may be retried)."""
 
+    what = "rollout store unavailable"
+
 
 class StoreFull(StoreError):
     """The backend refused a write for lack of memory (Redis at ``maxmemory`` with ``noeviction``).
@@ -75,6 +99,11 @@ class StoreFull(StoreError):
     can be retried once memory is freed (rollouts deleted or expired, ``maxmemory`` raised). The
     HTTP layer answers 507 (Insufficient Storage).
     """
+
+    status = 507
+    error_type = "server_error"
+    code = "store_full"
+    what = "rollout store is full, the turn was not stored"
 
 
 class _Unchanged(enum.Enum):

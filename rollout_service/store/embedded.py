@@ -64,7 +64,7 @@ def default_maxmemory() -> str:
     return str(max(MIN_DEFAULT_MAXMEMORY, int(ram * DEFAULT_MAXMEMORY_FRACTION)))
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -197,7 +197,7 @@ class EmbeddedRedis:
         fixed_port = self.port is not None
         last_error = ""
         for _ in range(1 if fixed_port else 5):  # a free port can be taken between probe and bind
-            port = self.port if fixed_port else _free_port(self.host)
+            port = self.port if fixed_port else free_port(self.host)
             if self._spawn(binary, port):
                 self.port = port
                 if not self._atexit_registered:

@@ -17,7 +17,7 @@ from openai.types.chat.chat_completion_message import ChatCompletionMessage
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
 from openai.types.completion_usage import CompletionUsage
 
-from rollout_service.protocol.openai import (
+from rollout_service.serve.protocol.openai import (
     CHAT_UNHONOURED,
     ChatCompletionRequest,
     ServiceError,

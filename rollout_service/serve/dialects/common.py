@@ -10,7 +10,8 @@ from typing import Annotated, Any
 from fastapi import Header, Path, Request
 from pydantic import BaseModel
 
-from rollout_service.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.errors import http_error
+from rollout_service.serve.protocol.openai import ServiceError, bad_request
 from rollout_service.serve.turn_types import ToolChoice
 from rollout_service.store.base import ROLLOUT_ID_PATTERN, InvalidRolloutId, validate_rollout_id
 
@@ -30,12 +31,12 @@ class RolloutHeaders:
         """The rollout id from ``metadata.rollout_id`` when no header named one (headers win)."""
         if self.rollout_id is not None or not metadata or "rollout_id" not in metadata:
             return self
-        return RolloutHeaders(_valid_rollout_id(metadata["rollout_id"], "metadata.rollout_id"), self.history_policy,
+        return RolloutHeaders(valid_rollout_id(metadata["rollout_id"], "metadata.rollout_id"), self.history_policy,
                               self.idempotency_key)
 
 
 # The documented rules of rollout ids and these headers as JSON Schema, for the OpenAPI schema only:
-# the checks themselves are _valid_rollout_id and rollout_headers, so a violation is the 400 naming
+# the checks themselves are valid_rollout_id and rollout_headers, so a violation is the 400 naming
 # the parameter, not pydantic's message.
 _ROLLOUT_ID_SCHEMA = {"pattern": ROLLOUT_ID_PATTERN}
 RolloutIdPath = Annotated[str, Path(json_schema_extra=_ROLLOUT_ID_SCHEMA)]  # /v1/rollouts/{rollout_id}
@@ -58,8 +59,8 @@ def rollout_headers(
                                                   json_schema_extra={"minLength": 1,
                                                                      "maxLength": IDEMPOTENCY_KEY_MAX_LEN})] = None,
 ) -> RolloutHeaders:
-    rid = _valid_rollout_id(x_rollout_id, "X-Rollout-Id") if x_rollout_id is not None else None
-    sid = _valid_rollout_id(x_session_id, "X-Session-ID") if x_session_id is not None else None
+    rid = valid_rollout_id(x_rollout_id, "X-Rollout-Id") if x_rollout_id is not None else None
+    sid = valid_rollout_id(x_session_id, "X-Session-ID") if x_session_id is not None else None
     if rid is not None and sid is not None and rid != sid:
         raise bad_request("X-Rollout-Id and X-Session-ID name different rollouts; send one", param="X-Session-ID")
     policy = x_history_policy.strip().lower() if x_history_policy is not None else None
@@ -91,11 +92,16 @@ async def unicode_body(request: Request) -> None:
         pass
 
 
-def _valid_rollout_id(value: Any, param: str) -> str:
+def valid_rollout_id(value: Any, param: str) -> str:
     try:
         return validate_rollout_id(value)
     except InvalidRolloutId as exc:
-        raise bad_request(str(exc), param=param, code="invalid_rollout_id") from None
+        raise http_error(exc, param=param) from None
+
+
+def optional_rollout_id(value: str | None, param: str = "X-Rollout-Id") -> str | None:
+    """A call's rollout id, checked (``None``: a stateless call)."""
+    return valid_rollout_id(value, param) if value is not None else None
 
 
 def tool_choice_of(raw: Any, tools: list[dict[str, Any]] | None, *, param: str = "tool_choice") -> ToolChoice:

@@ -14,7 +14,7 @@ from openai.types import completion as co
 from openai.types import completion_choice as cc
 from openai.types.completion_usage import CompletionUsage
 
-from rollout_service.protocol.openai import COMPLETION_UNHONOURED, CompletionRequest, ServiceError, refuse_unhonoured
+from rollout_service.serve.protocol.openai import COMPLETION_UNHONOURED, CompletionRequest, ServiceError, refuse_unhonoured
 from rollout_service.serve.dialects.common import error_event
 
 error_frame = error_event

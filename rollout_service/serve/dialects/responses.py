@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 
 from openai.types import responses as rt
 
-from rollout_service.protocol.openai import (
+from rollout_service.serve.protocol.openai import (
     OUTPUT_LOGPROBS,
     RESPONSES_INCLUDE_HONOURED,
     RESPONSES_UNHONOURED,
@@ -32,7 +32,7 @@ from rollout_service.protocol.openai import (
     refuse_unhonoured,
     template_kwargs,
 )
-from rollout_service.protocol.responses import ECHO_FIELDS, input_to_messages, tools_to_chat
+from rollout_service.serve.protocol.responses import ECHO_FIELDS, input_to_messages, tools_to_chat
 from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, token_logprobs, tool_choice_of
 from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
 

@@ -9,7 +9,7 @@ from rollout_service.metrics import DEFAULT_METRICS_PORT
 
 
 def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
-    from rollout_service.tiny_model import build_tiny_model
+    from rollout_service.ops.tiny_model import build_tiny_model
 
     path = build_tiny_model(args.dir, seed=args.seed, overwrite=args.overwrite)
     print(path)
@@ -17,14 +17,14 @@ def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from rollout_service.serve.launcher import run_up
+    from rollout_service.ops.launcher import run_up
 
     return run_up(host=args.host, port=args.port, config_path=args.config, redis_url=args.redis_url,
                   metrics_port=args.metrics_port, proxy=args.proxy)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from rollout_service.demo import run_demo
+    from rollout_service.ops.demo import run_demo
 
     return run_demo(base_url=args.url, turns=args.turns, api_key=args.api_key)
 
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rollout_service.runtime import apply_ray_env
+    from rollout_service.ops.runtime import apply_ray_env
 
     apply_ray_env()
     args = build_parser().parse_args(argv)

@@ -99,7 +99,7 @@ class RolloutWorkerExtension:
         self, host: str, port: int, world_size: int, rank_offset: int, group_name: str, timeout_s: float
     ) -> int:
         """Join the trainer's dedicated gloo group (never the default group). Returns this rank."""
-        from rollout_service.engine.collective import open_group
+        from rollout_service.weights.collective import open_group
 
         self.rs_weight_sync_close()
         rank = rank_offset + int(self.rank)
@@ -144,7 +144,7 @@ class RolloutWorkerExtension:
             self._rs_spare = source.buffers
     def rs_stage_collective(self, plan_json: str) -> dict[str, Any]:
         """Receive every bucket of the broadcast; the model is not touched."""
-        from rollout_service.engine.collective import BucketPlan, receive_buckets
+        from rollout_service.weights.collective import BucketPlan, receive_buckets
 
         self._rs_state()
         group = getattr(self, "_rs_group", None)

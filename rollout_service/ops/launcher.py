@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.runtime import apply_ray_env
+from rollout_service.ops.runtime import apply_ray_env
 
 apply_ray_env()  # before anything imports ray: keeps a local cluster on 127.0.0.1
 
@@ -46,7 +46,7 @@ class LocalService:
     def start(self) -> "LocalService":
         import ray
 
-        from rollout_service.runtime import apply_proxy_env, proxy_mode
+        from rollout_service.ops.runtime import apply_proxy_env, proxy_mode
 
         # Before ray.serve is imported: Serve reads the HAProxy switch once per process, at import.
         if self.proxy is not None:
@@ -58,14 +58,14 @@ class LocalService:
 
         from rollout_service.fleet.fleet import get_or_create_fleet
         from rollout_service.refit.controller import get_or_create_controller
-        from rollout_service.runtime import start_local_ray
+        from rollout_service.ops.runtime import start_local_ray
         from rollout_service.serve.app import build_app
 
         t0 = time.perf_counter()
         if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):  # the ingress this starts binds it
-            from rollout_service.runtime import _check_port_free
+            from rollout_service.ops.runtime import check_port_free
 
-            _check_port_free(self.port, "HTTP", host=self.host, flag="--port")
+            check_port_free(self.port, "HTTP", host=self.host, flag="--port")
         if not self.config.store.redis_url and not os.environ.get("ROLLOUT_SERVICE_REDIS_URL"):
             from rollout_service.store.embedded import EmbeddedRedis
 
@@ -96,7 +96,7 @@ class LocalService:
                     logging_config={"enable_access_log": self.config.service.access_log})
         serve.run(build_app(self.config), name=APP_NAME, route_prefix="/")
         self._wait_healthy()
-        from rollout_service.runtime import metrics_url
+        from rollout_service.ops.runtime import metrics_url
 
         self.metrics_url = metrics_url()
         self.log(f"[up] ready in {time.perf_counter() - t0:.1f}s: {self.url}/v1 (OpenAI base_url)")
@@ -162,7 +162,7 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
     the app and engines wind down skips that wait; Ray, its processes and the redis-server are
     still stopped, and further signals are ignored until they are.
     """
-    from rollout_service.runtime import (
+    from rollout_service.ops.runtime import (
         abandon_local_ray,
         local_ray_gone,
         process_id,

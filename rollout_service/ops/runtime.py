@@ -71,12 +71,12 @@ def apply_proxy_env(mode: str) -> None:
     if mode == "haproxy":
         for k in HAPROXY_PORT_ENV:
             if not os.environ.get(k):
-                os.environ[k] = str(_free_port())
+                os.environ[k] = str(free_port())
         for k, v in LOCAL_HAPROXY_DEFAULTS.items():
             os.environ.setdefault(k, v)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -147,7 +147,7 @@ def _init_ray(num_cpus: int, address: str | None, metrics_port: int | None = Non
 
     address = address or os.environ.get("RAY_ADDRESS")
     if metrics_port and not address:
-        _check_port_free(metrics_port, "metrics")
+        check_port_free(metrics_port, "metrics")
     if address:
         ctx = ray.init(address=address, namespace="rollout-service", ignore_reinit_error=True)
     else:
@@ -177,7 +177,7 @@ def _init_ray(num_cpus: int, address: str | None, metrics_port: int | None = Non
     return {"address": ctx.address_info.get("gcs_address")}
 
 
-def _check_port_free(port: int, what: str, host: str = "127.0.0.1", flag: str | None = None) -> None:
+def check_port_free(port: int, what: str, host: str = "127.0.0.1", flag: str | None = None) -> None:
     """A taken port is refused here, naming it, not minutes later by a process Ray starts (its
     metrics agent, Serve's proxy or HAProxy)."""
     import socket

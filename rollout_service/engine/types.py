@@ -1,0 +1,74 @@
+"""What crosses the engine's boundary: a generation request, its streamed chunks, the channel's
+address, and the errors by which a call learns its engine is gone or refused it.
+
+The engine actor, its data channel and the fleet's client all import these; none of them imports
+another for its types.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, replace
+
+from rollout_service.engine.sampling import SamplingOptions
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]
+    sampling: SamplingOptions
+    max_tokens: int
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class GenerationChunk:
+    """A streamed piece of one generation. ``weight_versions`` is set on the final chunk only."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # processed logprob of each sampled id
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    weight_version: str | None = None  # engine's version when this chunk was produced
+    weight_versions: list[tuple[str, int, int]] | None = None  # (version, start, end) over generated ids
+    num_prompt_tokens: int = 0
+    engine_index: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (final chunk)
+
+    @staticmethod
+    def concat(chunks: list["GenerationChunk"]) -> "GenerationChunk":
+        """Consecutive chunks of one generation as one: tokens in order, the rest from the last."""
+        last = chunks[-1]
+        return replace(
+            last,
+            token_ids=[t for c in chunks for t in c.token_ids],
+            logprobs=[lp for c in chunks for lp in c.logprobs],
+            top_logprobs=None if last.top_logprobs is None else [d for c in chunks for d in c.top_logprobs or ()],
+        )
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is not started, shutting down, or dead."""
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    host: str
+    port: int
+    token: str
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class EngineLost(ConnectionError):
+    """The engine's channel could not be opened or was lost: the engine is gone or unreachable."""
+
+
+class EngineCallError(RuntimeError):
+    """The engine raised while serving the call; ``cause`` is the error as the data plane handles it."""
+
+    def __init__(self, message: str, cause: BaseException):
+        super().__init__(message)
+        self.cause = cause

@@ -1,0 +1,76 @@
+"""What the fleet publishes and how its users read it: a serving :class:`Member`, the
+:class:`FleetView` at one epoch, and the predicates that say an engine call failed because the
+engine is gone. The data plane's client, the fleet actor and the control plane all import these;
+none imports another for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray.exceptions as rex
+
+from rollout_service.engine.types import EngineLost
+
+
+@dataclass(frozen=True)
+class Member:
+    """One serving engine: its slot (GPU / TP group), the generation of the actor in that slot
+    (bumped by every replacement), the handle, and its load at the last probe."""
+
+    slot: int
+    generation: int
+    handle: Any
+    load: int = 0
+    channel: Any = None  # engine.channel.ChannelAddress: the data plane's path (engine.data_channel: tcp)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.slot, self.generation)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The serving set at one epoch. Pickle-safe: it crosses Ray calls."""
+
+    epoch: int
+    version: str
+    members: tuple[Member, ...]
+    refitting: bool = False
+
+    def handles(self) -> list[Any]:
+        return [m.handle for m in self.members]
+
+
+class NoEngineAvailable(RuntimeError):
+    """No engine is serving right now (all dead, replacing, or stale); the fleet is healing."""
+
+    status = 503
+    error_type = "service_unavailable"
+    code = "no_engine"
+
+
+class EngineLostDuringCall(RuntimeError):
+    """The engine serving a call died after it had passed on tokens (or on every engine tried):
+    nothing of the call was kept; the rollout continues from its stored tokens on a live engine."""
+
+    status = 503
+    error_type = "service_unavailable"
+    code = "engine_lost"
+
+    def __init__(self, slot: int):
+        super().__init__(f"engine replica {slot} died during the call; nothing was stored, retry the call (the "
+                         "rollout continues on a live engine)")
+        self.slot = slot
+
+
+def is_engine_death(exc: BaseException) -> bool:
+    """The engine is gone (killed, crashed, node lost, unreachable): Ray's ways of saying so of the
+    actor, or its data channel lost (:class:`~rollout_service.engine.types.EngineLost`)."""
+    return isinstance(exc, (rex.ActorDiedError, rex.ActorUnavailableError, rex.RayActorError, EngineLost))
+
+
+def is_actor_dead(exc: BaseException) -> bool:
+    """Dead for good (not merely unreachable for a moment)."""
+    return isinstance(exc, rex.RayActorError) and not isinstance(exc, rex.ActorUnavailableError)

@@ -1,0 +1,88 @@
+"""The reads of the data plane: a rollout's trajectory, its page, the store's count, a delete, and
+``/tokenize`` (the prompt ids a rollout's next call would use). Nothing is generated or stored.
+
+A mixin of :class:`~rollout_service.serve.turns.TurnRunner`, whose store, tokenizer, template and
+prompt planning it uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from rollout_service.onpolicy.trajectory import trajectory_export
+from rollout_service.onpolicy.types import RolloutState, Segment
+from rollout_service.serve.dialects.common import optional_rollout_id
+from rollout_service.serve.errors import http_error
+from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.turn_types import TurnRequest
+from rollout_service.serve.viewer import render_trajectory_html
+from rollout_service.store.base import StoreError, validate_rollout_id
+
+_STORE_OPS = {"load": "read", "delete": "delete"}  # RolloutStore method -> metrics op of a rollout read / delete
+
+
+class RolloutReads:
+    async def tokenize(self, *, rollout_id: str | None, prompt: str | None, messages: list[dict] | None,
+                       tools: list[dict] | None, chat_template_kwargs: dict | None, add_special_tokens: bool,
+                       return_token_strs: bool, required_prefix_token_ids: Any = None) -> dict[str, Any]:
+        """The prompt ids the next call of this rollout would use (nothing generated or stored)."""
+        if prompt is not None:
+            if self._required_prefix(required_prefix_token_ids):  # malformed: its own 400, never ignored
+                raise bad_request("required_prefix_token_ids applies to the messages form of /tokenize (a prompt is "
+                                  "tokenized as given)", param="required_prefix_token_ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            req = TurnRequest(messages=messages or [], tools=tools, chat_template_kwargs=chat_template_kwargs,
+                              rollout_id=optional_rollout_id(rollout_id), required_prefix_token_ids=required_prefix_token_ids)
+            prefix = self._required_prefix(req.required_prefix_token_ids)
+            if req.rollout_id is None and prefix is None:
+                state, msgs = self._echo_state(req)
+            elif req.rollout_id is None:
+                state, msgs = None, req.messages
+            else:
+                state, msgs = await self._load(req.rollout_id), req.messages
+            ids = self._plan(state, msgs, req, prefix).prompt_ids
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    async def get_rollout(self, rollout_id: str) -> dict[str, Any]:
+        return trajectory_export(await self._stored(rollout_id, self.store.load))
+
+    async def view_rollout(self, rollout_id: str) -> str:
+        """The rollout as one self-contained HTML page (``serve/viewer.py``), rendered off the event
+        loop: a long rollout is tens of thousands of token spans and must not stall the turns. The
+        thread gets a copy: the state cache advances its states in place when a turn is appended."""
+        state = await self._stored(rollout_id, self.store.load)
+        snapshot = RolloutState(state.rollout_id, state.turn, [
+            Segment(list(s.token_ids), list(s.loss_mask), list(s.logprobs), list(s.turns), list(s.messages),
+                    dict(s.render_context)) for s in state.segments])
+        return await asyncio.to_thread(render_trajectory_html, snapshot, self.tokenizer,
+                                       reasoning_policy=self.config.service.reasoning_policy)
+
+    async def count_rollouts(self) -> int | None:
+        """Rollouts in the durable store under our key prefix (None: the store cannot count)."""
+        store = getattr(self.store, "inner", self.store)  # past the replica's state cache
+        count = getattr(store, "count_rollouts", None)
+        if count is None:
+            return None
+        try:
+            return await count()
+        except StoreError as exc:
+            raise http_error(exc) from None
+
+    async def delete_rollout(self, rollout_id: str) -> dict[str, Any]:
+        await self._stored(rollout_id, self.store.delete)
+        return {"id": rollout_id, "object": "rollout.deleted", "deleted": True}
+
+    async def _stored(self, rollout_id: str, op):
+        try:
+            validate_rollout_id(rollout_id)
+            result = await self._store_op(_STORE_OPS.get(op.__name__, op.__name__), op(rollout_id))
+        except StoreError as exc:  # an invalid rollout id is one too (400)
+            raise http_error(exc) from None
+        if not result:
+            raise ServiceError(404, f"rollout {rollout_id!r} not found", type="not_found_error", code="rollout_not_found")
+        return result
