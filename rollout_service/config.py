@@ -271,8 +271,9 @@ class FleetConfig(_Strict):
     unresponsive_after_s: float = Field(
         30.0, gt=0,
         description="No successful probe for this long declares an engine hung (dead): it is killed and replaced, "
-        "its in-flight calls fail with 503 and its rollouts continue on other engines. Detection takes at most "
-        "this plus probe_interval_s.",
+        "its in-flight calls fail with 503 and its rollouts continue on other engines. Both this and "
+        "dead_after_failures are checked once per probe round, and a hung engine's round lasts probe_timeout_s + "
+        "probe_interval_s, so detection takes at most this plus probe_interval_s plus probe_timeout_s.",
     )
     start_timeout_s: float = Field(900.0, gt=0, description="An engine (re)start that has not loaded by then failed.")
     backoff_initial_s: float = Field(

@@ -1,8 +1,8 @@
 """Batching a token stream in time: the first piece at once, then at most one batch per window.
 
 A streamed generation crosses Ray as one object per yielded chunk, and each object costs the
-consumer about a millisecond of CPU (measured by ``scripts/bench_engine.py --windows``) against a
-few microseconds for the tokens in it. :func:`batched` puts a producer task between the engine's
+consumer far more CPU than the tokens in it (``scripts/bench_engine.py --windows``; figures in
+docs/benchmarks.md, "Figures kept out of the code"). :func:`batched` puts a producer task between the engine's
 output stream and the consumer: it drains the source as fast as the source yields, and the
 consumer takes everything gathered since its last batch, merged into one. Pure asyncio, no Ray or
 vLLM, so it is tested on its own.

@@ -2,10 +2,9 @@
 connection per (process, engine), instead of a Ray actor call per generation.
 
 Why: a Ray actor call costs both sides CPU in Ray's task machinery (task spec, scheduling on the
-actor's event loop, the result's serialization into a Ray object, the owner's bookkeeping).
-Measured on this project's 2-core machine with a trivial async actor at 8 concurrent calls:
-0.6 ms of the caller's and 0.7 ms of the actor's CPU per call through Ray, 0.06-0.16 and
-0.05-0.08 through a socket with msgpack frames (docs/benchmarks.md). The data plane makes one such
+actor's event loop, the result's serialization into a Ray object, the owner's bookkeeping), about
+ten times what a socket with msgpack frames costs (docs/benchmarks.md, "Figures kept out of the
+code"). The data plane makes one such
 call per turn; the control plane (pause, refit, health, weight versions) stays on Ray calls,
 which are rare and need Ray's failure semantics.
 

@@ -58,17 +58,18 @@ SERVING = frozenset({EngineState.HEALTHY, EngineState.SUSPECT})
 
 @dataclass(frozen=True)
 class HealthPolicy:
-    """Thresholds. Defaults suit GPU engines under load; tests and drills use small values."""
+    """Thresholds, each the fleet config's field of the same name (``fleet.*``, where they are
+    documented with their defaults): built from it by ``fleet.fleet.health_policy``."""
 
-    probe_interval_s: float = 2.0  # the fleet probes every engine this often
-    probe_timeout_s: float = 10.0  # a probe that has not answered by then counts as failed
-    dead_after_failures: int = 3  # consecutive failed probes -> dead
-    unresponsive_after_s: float = 30.0  # no successful probe for this long -> dead (hung engine)
-    start_timeout_s: float = 900.0  # a (re)start that has not loaded by then has failed
-    backoff_initial_s: float = 1.0  # wait before the first replacement of a slot ...
-    backoff_max_s: float = 60.0  # ... doubling per failed replacement, up to this
-    max_replacements: int = 5  # more than this many replacements ...
-    replacement_window_s: float = 600.0  # ... within this window -> RETIRED
+    probe_interval_s: float  # the fleet probes every engine this often
+    probe_timeout_s: float  # a probe that has not answered by then counts as failed
+    dead_after_failures: int  # consecutive failed probes -> dead
+    unresponsive_after_s: float  # no successful probe for this long -> dead (hung engine)
+    start_timeout_s: float  # a (re)start that has not loaded by then has failed
+    backoff_initial_s: float  # wait before the first replacement of a slot ...
+    backoff_max_s: float  # ... doubling per failed replacement, up to this
+    max_replacements: int  # more than this many replacements ...
+    replacement_window_s: float  # ... within this window -> RETIRED
 
     def __post_init__(self):
         if self.dead_after_failures < 1 or self.max_replacements < 0:
@@ -105,9 +106,9 @@ class FleetHealth:
     replaced (or a probe that started before the kill) is ignored rather than misapplied.
     """
 
-    def __init__(self, num_slots: int, policy: HealthPolicy | None = None, *,
+    def __init__(self, num_slots: int, policy: HealthPolicy, *,
                  current_version: str = "0", clock: Callable[[], float] = time.monotonic):
-        self.policy = policy or HealthPolicy()
+        self.policy = policy
         self.clock = clock
         self.current_version = current_version
         self.refitting = False

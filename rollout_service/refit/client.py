@@ -21,16 +21,19 @@ apply to the next call).
 For the collective transport the trainer is the broadcast root: ``refit`` starts the controller's
 call (pause every engine, then receive) and broadcasts the buckets itself, concurrently.
 
-Async trainers (an async Ray actor, where a blocking ``ray.get`` stalls the event loop for the
-whole refit) use the awaitable twins, same arguments, results and exceptions::
+The client is async-first: every method is a coroutine (``ainit_weight_sync``, ``arefit``,
+``astats``, ``aget_rollout``, ``aweights_checksums``, ``asettings``) and its plain name is a thin
+synchronous shim that runs it to completion (in a private event loop; on a worker thread when the
+calling thread already runs one). Async trainers (an async Ray actor, where a blocking ``ray.get``
+stalls the event loop for the whole refit) await the coroutines::
 
     await client.ainit_weight_sync()
     report = await client.arefit("7", model.state_dict())
     await client.astats(); await client.aget_rollout(rid); await client.aweights_checksums()
 
-They never call ``ray.get``: they await the controller's object refs, and the blocking gloo work
-(joining the group, the broadcast) and the object-store copy run in a worker thread. The sync and
-async paths share one client state: a refit of either kind refuses to overlap another.
+The coroutines await the controller's object refs; what blocks — finding the controller by name on
+first use, joining the gloo group, the broadcast, the object-store copy, and vLLM's synchronous
+NCCL trainer engine — runs in a worker thread. A refit of either kind refuses to overlap another.
 """
 
 from __future__ import annotations
@@ -100,22 +103,26 @@ class TrainerClient:
 
     @property
     def controller(self):
+        """The refit controller's handle (found by name on first use: a blocking GCS query)."""
         if self._controller is None:
             from rollout_service.refit.controller import get_controller
 
             self._controller = get_controller()
         return self._controller
 
+    async def _acontroller(self):
+        if self._controller is None:
+            await asyncio.to_thread(lambda: self.controller)
+        return self._controller
+
     def settings(self) -> RefitSettings:
         """The backend, bucket size and step timeout a call uses: the explicit constructor arguments,
         the rest from the service's ``refit`` config (one controller query)."""
-        import ray
-
-        return self._resolve(ray.get(self.controller.refit_config.remote(), timeout=60))
+        return _sync(self.asettings())
 
     async def asettings(self) -> RefitSettings:
         """:meth:`settings`, awaited."""
-        return self._resolve(await _aget(self.controller.refit_config.remote(), 60))
+        return self._resolve(await _aget((await self._acontroller()).refit_config.remote(), 60))
 
     def _resolve(self, refit_config: Mapping[str, Any]) -> RefitSettings:
         from rollout_service.config import RefitConfig
@@ -135,7 +142,12 @@ class TrainerClient:
         return None
 
     # ------------------------------------------------------------------- set-up
-    def init_weight_sync(
+    def init_weight_sync(self, *, backend: str | None = None, host: str | None = None, port: int | None = None,
+                         timeout_s: float | None = None) -> dict[str, Any]:
+        """:meth:`ainit_weight_sync`, run to completion."""
+        return _sync(self.ainit_weight_sync(backend=backend, host=host, port=port, timeout_s=timeout_s))
+
+    async def ainit_weight_sync(
         self,
         *,
         backend: str | None = None,
@@ -148,46 +160,21 @@ class TrainerClient:
         ``backend`` None: the service's ``refit.backend``. gloo (CPU): a dedicated
         ``ProcessGroupGloo`` on a TCPStore this process hosts — never the default process group.
         nccl (GPU, unverified here): vLLM's NCCL weight-transfer engine, with packed buffers of
-        ``bucket_bytes``; the engines were started for it by ``refit.backend: nccl``.
+        ``bucket_bytes``; the engines were started for it by ``refit.backend: nccl``. The address
+        look-up (a GCS query) and the join run in a worker thread.
         """
-        import ray
-
-        settings = self.settings()
-        backend, host, port, timeout = self._weight_sync_args(backend or settings.backend, host, port,
-                                                              timeout_s or settings.timeout_s)
-        self._group = self._nccl = None  # one transport at a time: the new one replaces the old
-        if backend == "nccl":
-            world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
-            return self._init_nccl(host, port, timeout, world, settings.bucket_bytes)
-        world = ray.get(self.controller.weight_sync_world_size.remote(), timeout=timeout)
-        name, t0 = _group_name(), time.perf_counter()
-        ranks_ref = self.controller.init_weight_sync.remote(host, port, name, timeout)
-        group = open_group(host, port, world, 0, name, timeout)  # blocks until every worker joined
-        ranks = ray.get(ranks_ref, timeout=timeout)
-        self._group, self._group_timeout_s, self._group_formed = group, timeout, True
-        return _gloo_info(name, host, port, world, ranks, t0)
-
-    async def ainit_weight_sync(
-        self,
-        *,
-        backend: str | None = None,
-        host: str | None = None,
-        port: int | None = None,
-        timeout_s: float | None = None,
-    ) -> dict[str, Any]:
-        """:meth:`init_weight_sync` for an event loop: the address look-up (a GCS query) and the join
-        run in a worker thread."""
         settings = await self.asettings()
+        controller = await self._acontroller()
         backend, host, port, timeout = await asyncio.to_thread(
             self._weight_sync_args, backend or settings.backend, host, port, timeout_s or settings.timeout_s)
         self._group = self._nccl = None  # one transport at a time: the new one replaces the old
         if backend == "nccl":  # pragma: no cover - GPU only
-            world = await _aget(self.controller.weight_sync_world_size.remote(), timeout)
+            world = await _aget(controller.weight_sync_world_size.remote(), timeout)
             # vLLM's trainer engine is synchronous: its controller calls block that thread, not the loop.
             return await asyncio.to_thread(self._init_nccl, host, port, timeout, world, settings.bucket_bytes)
-        world = await _aget(self.controller.weight_sync_world_size.remote(), timeout)
+        world = await _aget(controller.weight_sync_world_size.remote(), timeout)
         name, t0 = _group_name(), time.perf_counter()
-        ranks_ref = self.controller.init_weight_sync.remote(host, port, name, timeout)
+        ranks_ref = controller.init_weight_sync.remote(host, port, name, timeout)
         group = await asyncio.to_thread(open_group, host, port, world, 0, name, timeout)
         ranks = await _aget(ranks_ref, timeout)
         self._group, self._group_timeout_s, self._group_formed = group, timeout, True
@@ -215,36 +202,9 @@ class TrainerClient:
         timeout_s: float | None = None,
         on_bucket: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
-        """Load ``params`` (checkpoint-format ``{name: tensor}``, or a checkpoint directory for
-        ``transport="path"``) into every engine in flight and label them ``version``.
-
-        ``on_bucket(i)`` runs after bucket ``i`` is on the wire (collective only); if it raises,
-        the transfer is aborted on every worker and the refit fails cleanly (failure injection).
-        """
-        _check_transport(transport)
-        self._acquire()
-        try:
-            settings = self._explicit() or self.settings()
-            version, clear, timeout = self._refit_args(version, clear_cache, timeout_s, settings)
-            if transport == "collective":
-                if self._nccl is not None:
-                    import ray
-
-                    previous = ray.get(self.controller.current_version.remote(), timeout=60)
-                    return self._refit_nccl(version, params, previous)
-                try:
-                    if self._group is not None:  # before any byte is sent: is the group still whole?
-                        _get(self.controller.check_weight_sync.remote(), 60)
-                    return self._refit_collective(version, params, clear, timeout, on_bucket, settings.bucket_bytes)
-                except WeightSyncNotInitialized as exc:
-                    if not self._reform_after(exc):
-                        raise
-                    self.init_weight_sync(backend="gloo", timeout_s=self._group_timeout_s)
-                    return self._refit_collective(version, params, clear, timeout, on_bucket, settings.bucket_bytes)
-            transfer = _staged_transfer(params, transport)
-            return _get(self._start(version, transfer, clear, timeout), _overall(timeout))
-        finally:
-            self._lock.release()
+        """:meth:`arefit`, run to completion."""
+        return _sync(self.arefit(version, params, transport=transport, clear_cache=clear_cache, timeout_s=timeout_s,
+                                 on_bucket=on_bucket))
 
     async def arefit(
         self,
@@ -256,9 +216,12 @@ class TrainerClient:
         timeout_s: float | None = None,
         on_bucket: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
-        """:meth:`refit` for an event loop. ``on_bucket`` runs in the sending worker thread.
+        """Load ``params`` (checkpoint-format ``{name: tensor}``, or a checkpoint directory for
+        ``transport="path"``) into every engine in flight and label them ``version``.
 
-        Cancelling the await does not stop the refit (the controller runs it to its end, and a
+        ``on_bucket(i)`` runs after bucket ``i`` is on the wire (collective only, in the sending
+        worker thread); if it raises, the transfer is aborted on every worker and the refit fails
+        cleanly (failure injection). Cancelling the await does not stop the refit (the controller runs it to its end, and a
         started broadcast is completed): the client stays busy (``RefitInProgress``) until it is over.
         """
         _check_transport(transport)
@@ -274,6 +237,7 @@ class TrainerClient:
 
     async def _arefit_locked(self, version, params, transport, clear_cache, timeout_s, on_bucket) -> dict[str, Any]:
         try:
+            await self._acontroller()
             settings = self._explicit() or await self.asettings()
             version, clear, timeout = self._refit_args(version, clear_cache, timeout_s, settings)
             if transport == "collective":
@@ -312,19 +276,6 @@ class TrainerClient:
         return self.controller.refit.remote(version, transfer, clear_cache=clear, timeout_s=timeout)
 
     # ------------------------------------------------------- collective transport
-    def _refit_collective(self, version, params, clear, timeout, on_bucket, bucket_bytes) -> dict[str, Any]:
-        import ray
-
-        group, plan = self._collective_plan(params, bucket_bytes)
-        ref = self._start(version, CollectiveTransfer(plan.to_json(), plan.total_bytes), clear, timeout)
-        poll = _join_poll(lambda: bool(ray.wait([ref], timeout=0)[0]), lambda: _get(ref, 60), timeout)
-        timings, send_error = self._send(group, params, plan, on_bucket, poll)
-        try:
-            outcome = _get(ref, _overall(timeout))
-        except BaseException as exc:
-            outcome = exc
-        return self._collective_result(outcome, timings, send_error)
-
     async def _arefit_collective(self, version, params, clear, timeout, on_bucket, bucket_bytes) -> dict[str, Any]:
         group, plan = self._collective_plan(params, bucket_bytes)
         ref = self._start(version, CollectiveTransfer(plan.to_json(), plan.total_bytes), clear, timeout)
@@ -406,35 +357,32 @@ class TrainerClient:
 
     # --------------------------------------------------------------------- misc
     def stats(self) -> dict[str, Any]:
-        import ray
-
-        return ray.get(self.controller.stats.remote(), timeout=60)
+        """:meth:`astats`, run to completion."""
+        return _sync(self.astats())
 
     async def astats(self) -> dict[str, Any]:
-        return await _aget(self.controller.stats.remote(), 60)
+        """The controller's view: weight version, engines and their health, in-flight rollouts and their lag."""
+        return await _aget((await self._acontroller()).stats.remote(), 60)
 
     def get_rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        """:meth:`aget_rollout`, run to completion."""
+        return _sync(self.aget_rollout(rollout_id))
+
+    async def aget_rollout(self, rollout_id: str) -> dict[str, Any] | None:
         """The trajectory of one rollout (segments: token_ids, loss_mask, logprobs, weight_versions),
         the ``GET /v1/rollouts/{id}`` document, None if unknown. Read from the rollout store
         directly (the service's Redis): a data read, not the control plane's business."""
-        import ray
-
-        config = ray.get(self.controller.store_config.remote(), timeout=60)
-        return _in_a_loop(read_trajectory(config, rollout_id))
-
-    async def aget_rollout(self, rollout_id: str) -> dict[str, Any] | None:
-        """:meth:`get_rollout`, awaited."""
-        return await read_trajectory(await _aget(self.controller.store_config.remote(), 60), rollout_id)
+        config = await _aget((await self._acontroller()).store_config.remote(), 60)
+        return await read_trajectory(config, rollout_id)
 
     def weights_checksums(self) -> list[str]:
-        import ray
-
-        timeout = self.timeout_s or self.settings().timeout_s
-        return ray.get(self.controller.weights_checksums.remote(), timeout=timeout)
+        """:meth:`aweights_checksums`, run to completion."""
+        return _sync(self.aweights_checksums())
 
     async def aweights_checksums(self) -> list[str]:
+        """A checksum of every engine worker's weights (equal across engines after a refit)."""
         timeout = self.timeout_s or (await self.asettings()).timeout_s
-        return await _aget(self.controller.weights_checksums.remote(), timeout)
+        return await _aget((await self._acontroller()).weights_checksums.remote(), timeout)
 
     # ------------------------------------------- GPU (unverified on GPUs; CPU short of the NCCL calls)
     def _init_nccl(self, host: str, port: int, timeout: float, world: int, bucket_bytes: int) -> dict[str, Any]:
@@ -473,7 +421,7 @@ class TrainerClient:
         ).to_dict()
 
 
-# ------------------------------------------------------------------------ shared by sync and async
+# ------------------------------------------------------------------------ helpers
 async def read_trajectory(store_config: dict, rollout_id: str) -> dict[str, Any] | None:
     from rollout_service.config import StoreConfig
     from rollout_service.onpolicy.trajectory import trajectory_export
@@ -489,8 +437,10 @@ async def read_trajectory(store_config: dict, rollout_id: str) -> dict[str, Any]
     return None if state is None else trajectory_export(state)
 
 
-def _in_a_loop(coro):
-    """Run a coroutine from sync code, also when the caller's thread already runs an event loop."""
+def _sync(coro):
+    """The synchronous shim: run a coroutine of the client to completion from sync code, in a private
+    event loop; on a worker thread when the calling thread already runs a loop (which it blocks, as
+    any synchronous call would)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -551,21 +501,9 @@ def _our_cause(exc: BaseException) -> BaseException | None:
     return cause if isinstance(cause, _OUR_ERRORS) else None
 
 
-def _get(ref, timeout: float):
-    """ray.get, raising our own exceptions (RefitFailed, RefitInProgress, ...) rather than Ray's wrapper."""
-    import ray
-
-    try:
-        return ray.get(ref, timeout=timeout)
-    except ray.exceptions.RayTaskError as exc:
-        cause = _our_cause(exc)
-        if cause is not None:
-            raise cause from None
-        raise
-
-
 async def _aget(ref, timeout: float | None):
-    """:func:`_get` without ``ray.get``: awaits the ref; a timeout raises Ray's ``GetTimeoutError``."""
+    """The ref's value, awaited, raising our own exceptions (RefitFailed, RefitInProgress, ...) rather
+    than Ray's wrapper; a timeout raises Ray's ``GetTimeoutError``."""
     import ray
 
     try:
@@ -607,16 +545,11 @@ def _overall(step_timeout: float) -> float:
 
 
 def _node_ip() -> str:
+    """The address Ray registered for this node (127.0.0.1 on a local cluster), else loopback."""
     try:
         import ray
 
         if ray.is_initialized():
-            # The address the cluster registered for this node (127.0.0.1 on a local cluster), not
-            # whatever interface this process would pick on its own.
-            node_id = ray.get_runtime_context().get_node_id()
-            for node in ray.nodes():
-                if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
-                    return node["NodeManagerAddress"]
             return ray.util.get_node_ip_address()
     except Exception:
         pass

@@ -327,8 +327,10 @@ class RefitController:
             report.requests_in_flight = await self._sum(engines, "num_in_flight", timeout)
 
             async def pause(e):
-                await e.pause.remote(mode="keep", clear_cache=clear_cache)
+                # Recorded before the call: a pause that times out or fails half-way may still land,
+                # and every engine asked to pause is resumed on the way out (resume is idempotent).
                 paused.append(e)
+                await e.pause.remote(mode="keep", clear_cache=clear_cache)
 
             t0 = time.perf_counter()
             await asyncio.wait_for(asyncio.gather(*[pause(e) for e in engines]), timeout)

@@ -135,7 +135,7 @@ class ForwardingReplica:
         try:
             await next_within(events, timeout)  # run_forwarded's TurnAccepted
         except (asyncio.TimeoutError, StopAsyncIteration):
-            # No acceptance in time. Measured (docs/data-plane.md): about 1 in 200 forwarded turns
+            # No acceptance in time (how often, measured: docs/data-plane.md): forwarded turns
             # whose owner ran and stored the turn but whose streamed events never came back through
             # Serve's handle; or the call was refused there as too late.
             abandon(events)

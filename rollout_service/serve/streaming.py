@@ -4,9 +4,10 @@ Each chunk costs work proportional to the chunk, not to the answer so far: ids a
 the tokenizer's streaming decoder (``tokenizers.decoders.DecodeStream``, which holds back an
 incomplete UTF-8 sequence until it is complete), and reasoning is split from content by vLLM's own
 streaming parser (``Parser.parse_delta`` of the configured reasoning parser, as ``vllm serve``
-streams). Tool calls are not streamed token by token: with tools on, content from the tool-call
-marker on is held back and the calls arrive parsed (by the same parser as a non-streaming call)
-with the final event, so a streamed call and a non-streamed one return the same message.
+streams). Tool calls are not streamed token by token: with tools on, content from the Hermes / Qwen
+tool-call marker (``<tool_call>``) on is held back and the calls arrive parsed (by the same parser as
+a non-streaming call) with the final event. A parser whose calls start otherwise streams them as
+content (docs/data-plane.md, "Streaming").
 """
 
 from __future__ import annotations

@@ -95,8 +95,9 @@ class TurnRunner(RolloutReads):
 
     def warm(self) -> None:
         """Pay the first call's one-time costs now, on the replica's start: importing vLLM's protocol
-        and parser modules and building its cached tokenizer view took 2.3-4 s on the first call of
-        each replica (measured on 2 cores), streamed or not. Blocking: run it in a thread."""
+        and parser modules and building its cached tokenizer view, which otherwise made the first call
+        of each replica seconds slower (docs/benchmarks.md, "First call of a replica"). Blocking: run
+        it in a thread."""
         ec = self.config.engine
         prompt = self.tokenizer.encode("warm", add_special_tokens=False)
         StreamParser(self.tokenizer, reasoning_parser=ec.reasoning_parser, chat_template_kwargs=None,

@@ -1,8 +1,7 @@
 """Keep the rollouts a replica owns in memory, so a turn does not reload its whole history.
 
 Why: without it every call loads and decodes the rollout's whole history from Redis, so the cost of
-a turn grows with the rollout (measured: +32 ms per call over vLLM's own server at turns 2-11, +79 ms
-at turns 111-120 of a ~3,200-token rollout). Routing sends every call of a rollout to one affinity
+a turn grows with the rollout (docs/benchmarks.md, "One long rollout"). Routing sends every call of a rollout to one affinity
 replica, so that replica can keep the state it loaded and advance it with the deltas it appends
 itself; the history then crosses the network once per rollout instead of once per turn.
 
@@ -33,10 +32,9 @@ append sees the new turn afterwards (``finish_turn`` relies on exactly that to n
 moved under a plan).
 
 Bounded: at most ``max_rollouts`` rollouts and ``max_tokens`` token positions in total, least
-recently used dropped first; a rollout larger than ``max_tokens`` on its own is not cached. Measured
-(tracemalloc) on decoded states: ~82 bytes per token for 1,000-token turns (ids, mask and logprobs
-as Python lists dominate), ~216 bytes per token for a chatty rollout (3,172 tokens over 120 calls,
-messages and stored answers dominate) — so the default 4M tokens is roughly 0.3 to 0.9 GB.
+recently used dropped first; a rollout larger than ``max_tokens`` on its own is not cached. What a
+cached token costs in memory (ids, mask and logprobs as Python lists; messages and stored answers
+for chatty rollouts) is measured in docs/benchmarks.md ("Figures kept out of the code").
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Memory is capped (``maxmemory``, policy ``noeviction``): a full server refuses w
 answers 507 and no stored history changes — instead of growing until the machine swaps or the OOM
 killer ends it (and every rollout with it). The cap is ``maxmemory`` if given, else the environment
 variable ``ROLLOUT_SERVICE_REDIS_MAXMEMORY`` (Redis units: ``4gb``, ``512mb``; ``0`` = no cap), else
-a quarter of this machine's RAM (``DEFAULT_MAXMEMORY_FRACTION``). A rollout takes about 10 bytes per
-token, plus its messages' text, plus ~300 bytes per turn (docs/deployment.md, "Redis sizing").
+a quarter of this machine's RAM (``DEFAULT_MAXMEMORY_FRACTION``). What a rollout takes per token and
+per turn: docs/deployment.md, "Redis sizing".
 """
 
 from __future__ import annotations

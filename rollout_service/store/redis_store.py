@@ -12,9 +12,9 @@ lives in one cluster slot and each Lua script touches a single slot)::
     P:{R}:s<i>:msgs     list   one JSON canonical message per entry (RPUSH)
     P:{R}:s<i>:ctx      string JSON render_context (small; overwritten per turn)
 
-Why this shape: rewriting a rollout's history on every turn costs O(history) per turn (measured
-151 ops/s at 60k tokens against ~12k ops/s for APPEND on these machines), so a turn only ever appends
-its own bytes. Each operation is one Lua script (one round trip, atomic): the append checks the turn
+Why this shape: rewriting a rollout's history on every turn costs O(history) per turn
+(``scripts/bench_store.py``; figures in docs/benchmarks.md, "Figures kept out of the code"), so a turn only ever appends its own
+bytes. Each operation is one Lua script (one round trip, atomic): the append checks the turn
 counter, writes everything, bumps the counter and refreshes the expiry of every key; the load returns
 a consistent snapshot even while another replica appends.
 
