@@ -6,7 +6,7 @@ bash scripts/setup.sh
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
 rc=$?
 set -e
 # pytest exit 5 = no tests collected (e.g. a -k filter that matches nothing): not a failure.

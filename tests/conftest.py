@@ -15,6 +15,31 @@ from rollout_service.store.embedded import embedded_redis
 pytest_plugins = [m for m in ("runtime_fixtures",) if importlib.util.find_spec(m) is not None]
 
 
+# What each heavy fixture starts, as markers: a test is marked by the fixtures it uses (directly
+# or through another fixture), so `-m "not engine and not serve and not cluster"` selects only
+# tests that start no engine, no Serve app and no Ray cluster. A test that starts its own cluster
+# or service without a fixture (a subprocess) carries its marks by hand.
+FIXTURE_MARKS = {
+    "ray_session": ("cluster",),
+    "service": ("cluster", "engine", "serve"),
+    "fleet_rig": ("cluster", "engine"),
+    "refit_controller": ("cluster", "engine"),
+    "prefix_cache_controller": ("cluster", "engine"),
+    "placement_probe": ("cluster",),  # its own three-node Ray cluster, in a subprocess
+    "ray_driver_run": ("cluster",),  # a Ray driver in a subprocess
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        for fixture, marks in FIXTURE_MARKS.items():
+            if fixture in names:
+                for mark in marks:
+                    item.add_marker(mark)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """URL of a real redis-server (AOF on) started once per test session on 127.0.0.1.

@@ -7,7 +7,6 @@ import pytest
 from rollout_service.ops.cli import build_parser
 from rollout_service.ops.demo import run_demo
 
-pytestmark = pytest.mark.serve
 
 
 def test_demo_rollout_passes_its_on_policy_checks(service, capsys):

@@ -17,7 +17,6 @@ from rollout_service.engine.sampling import SamplingOptions
 from rollout_service.fleet.client import FleetClient
 from rollout_service.fleet.types import FleetView, Member, is_engine_death
 
-pytestmark = pytest.mark.engine
 
 PROMPT = [151644, 872, 198, 9707, 11, 1879, 0, 151645, 198, 151644, 77091, 198]
 

@@ -502,7 +502,7 @@ def _probe_result(proc: subprocess.Popen, timeout_s: float = 480.0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory):
+def placement_probe(tmp_path_factory):
     return _probe_result(_start_probe(_PROBE, tmp_path_factory.mktemp("placement")))
 
 
@@ -553,23 +553,23 @@ def _check_fleet(probe: dict, name: str, num_engines: int, tp: int, replaced: in
     return res
 
 
-def test_six_tp2_engines_on_two_8_gpu_nodes_one_node_each_no_shared_gpu_replaced_in_their_group(probe):
-    _check_fleet(probe, "tp2_fleet", 6, 2, replaced=1)
+def test_six_tp2_engines_on_two_8_gpu_nodes_one_node_each_no_shared_gpu_replaced_in_their_group(placement_probe):
+    _check_fleet(placement_probe, "tp2_fleet", 6, 2, replaced=1)
 
 
-def test_three_tp4_engines_on_two_8_gpu_nodes_one_node_each_no_shared_gpu_replaced_in_their_group(probe):
-    _check_fleet(probe, "tp4_fleet", 3, 4, replaced=0)
+def test_three_tp4_engines_on_two_8_gpu_nodes_one_node_each_no_shared_gpu_replaced_in_their_group(placement_probe):
+    _check_fleet(placement_probe, "tp4_fleet", 3, 4, replaced=0)
 
 
-def test_engines_that_fit_one_node_are_still_spread_over_the_nodes(probe):
+def test_engines_that_fit_one_node_are_still_spread_over_the_nodes(placement_probe):
     """deployments/multi-node-gpu.yaml says Ray spreads the engines' groups over the nodes: two TP-2
     engines that would both fit one 8-GPU node land on two (Ray 2.60's placement group scheduling)."""
-    nodes = _scenario(probe, "two_tp2")["nodes"]
-    assert len(set(nodes)) == 2 and set(nodes) == set(probe["gpu_nodes"]), nodes
+    nodes = _scenario(placement_probe, "two_tp2")["nodes"]
+    assert len(set(nodes)) == 2 and set(nodes) == set(placement_probe["gpu_nodes"]), nodes
 
 
-def test_tp1_engines_each_see_exactly_their_own_gpu(probe):
-    engines = _scenario(probe, "tp1")["engines"]
+def test_tp1_engines_each_see_exactly_their_own_gpu(placement_probe):
+    engines = _scenario(placement_probe, "tp1")["engines"]
     assert len(engines) == 8
     gpus = []
     for e in engines:
@@ -580,8 +580,8 @@ def test_tp1_engines_each_see_exactly_their_own_gpu(probe):
     assert len(set(gpus)) == 8
 
 
-def test_engine_that_does_not_fit_fails_within_the_timeout_naming_its_bundles(probe):
-    res = _scenario(probe, "does_not_fit")
+def test_engine_that_does_not_fit_fails_within_the_timeout_naming_its_bundles(placement_probe):
+    res = _scenario(placement_probe, "does_not_fit")
     full = res["full"]
     assert full["error"] and 1.4 <= full["seconds"] < 1.5 + 5, full
     assert "2 bundles" in full["error"] and "STRICT_PACK" in full["error"]
@@ -600,14 +600,14 @@ def test_engine_that_does_not_fit_fails_within_the_timeout_naming_its_bundles(pr
     assert res["free_gpus_after_fleet"] == 16
 
 
-def test_a_group_reserved_for_a_cancelled_engine_start_is_removed_once_placed(probe):
-    res = _scenario(probe, "abandoned")
+def test_a_group_reserved_for_a_cancelled_engine_start_is_removed_once_placed(placement_probe):
+    res = _scenario(placement_probe, "abandoned")
     assert res["cancelled"] and res["pg_states"] == ["REMOVED"] and res["free_gpus"] == 16, res
 
 
-def test_bundle_resources_pin_the_engine_group_to_the_labelled_node(probe):
-    res = _scenario(probe, "pinned")
-    node = probe["labelled_node"]
+def test_bundle_resources_pin_the_engine_group_to_the_labelled_node(placement_probe):
+    res = _scenario(placement_probe, "pinned")
+    node = placement_probe["labelled_node"]
     (engine,) = res["engines"]
     assert engine["engine"]["node"] == node
     assert [w["node"] for w in engine["engine"]["workers"]] == [node, node]
@@ -617,11 +617,11 @@ def test_bundle_resources_pin_the_engine_group_to_the_labelled_node(probe):
     assert res["second"]["error"] and "engine_node" in res["second"]["error"], res["second"]
 
 
-def test_probe_timings_are_reported(probe):
+def test_probe_timings_are_reported(placement_probe):
     """Not a check of speed: the timings land in the test log (-rA / -s) for the record."""
-    print("placement probe seconds:", probe["seconds"])
-    print("two TP-2 engines on nodes:", probe["two_tp2"]["nodes"], "of", probe["gpu_nodes"])
+    print("placement probe seconds:", placement_probe["seconds"])
+    print("two TP-2 engines on nodes:", placement_probe["two_tp2"]["nodes"], "of", placement_probe["gpu_nodes"])
     for name in ("tp2_fleet", "tp4_fleet"):
-        print(name, "engines per node:", [e["node"][:8] for e in probe[name]["engines"]],
-              "replacement seconds:", probe[name].get("replace_s"))
-    assert set(probe["seconds"]) >= {"ray_start", "tp2_fleet", "tp4_fleet", "tp1", "does_not_fit", "add_node", "pinned"}
+        print(name, "engines per node:", [e["node"][:8] for e in placement_probe[name]["engines"]],
+              "replacement seconds:", placement_probe[name].get("replace_s"))
+    assert set(placement_probe["seconds"]) >= {"ray_start", "tp2_fleet", "tp4_fleet", "tp1", "does_not_fit", "add_node", "pinned"}

@@ -10,7 +10,6 @@ import ray
 
 from engine_helpers import hf_sampled_logprobs, load_hf_model, stream_generation
 
-pytestmark = pytest.mark.engine
 
 
 def chat_prompt(tok, text: str) -> list[int]:

@@ -139,7 +139,6 @@ def _joined(chunks):
             [d for c in chunks for d in c.top_logprobs or ()])
 
 
-@pytest.mark.engine
 async def test_a_long_stream_comes_in_few_chunks_with_the_same_tokens_as_generate_all(engine_actor):
     n = 128
     batched_chunks, times = await _stream(engine_actor, _request(11, n, top_logprobs=2), 0.1)
@@ -159,7 +158,6 @@ async def test_a_long_stream_comes_in_few_chunks_with_the_same_tokens_as_generat
     assert (last.finish_reason, last.num_prompt_tokens) == (whole.finish_reason, whole.num_prompt_tokens)
 
 
-@pytest.mark.engine
 @pytest.mark.parametrize("window_s", [0.02, 0.0])
 async def test_a_consumer_that_cancels_its_stream_aborts_the_vllm_request(engine_actor, window_s):
     """The engine is paused (keep) right after the first chunk, so the request cannot finish by

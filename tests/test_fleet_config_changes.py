@@ -12,7 +12,6 @@ import ray
 from fleet_helpers import process_gone
 from runtime_fixtures import TEST_KV_GIB
 
-pytestmark = pytest.mark.serve
 
 APP = "cfgtest"
 

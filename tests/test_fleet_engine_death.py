@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from fleet_helpers import assert_trajectory_exact, kill_pid, new_rid, run_rollout
 from refit_helpers import perturbed
 
-pytestmark = pytest.mark.engine
 
 N_ROLLOUTS = 16
 TURNS = 3

@@ -12,7 +12,6 @@ import pytest
 
 from fleet_helpers import FLEET, call, kill_pid, new_rid, process_gone, run_events, turn_request
 
-pytestmark = pytest.mark.engine
 
 
 async def test_sigstopped_engine_is_detected_killed_and_replaced(fleet_rig):

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
 
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.cluster
+@pytest.mark.engine  # its own two-node cluster, in a subprocess
 def test_engine_on_the_worker_node_refits_across_nodes_and_heals_there():
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     proc = subprocess.run([sys.executable, str(HERE / "multinode_cluster.py")], capture_output=True, text=True,

@@ -10,7 +10,6 @@ import pytest
 
 from fleet_helpers import assert_trajectory_exact, call, kill_pid, new_rid
 
-pytestmark = pytest.mark.engine
 
 
 async def test_all_engines_killed_503_then_healed_and_the_rollout_continues_exactly(fleet_rig):

@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 from fleet_helpers import kill_pid
 from refit_helpers import perturbed
 
-pytestmark = pytest.mark.engine
 
 
 async def test_engine_killed_mid_transfer_fails_the_refit_cleanly(fleet_rig, tiny_model_dir):

@@ -18,7 +18,6 @@ import ray
 from engine_helpers import hf_sampled_logprobs, load_hf_model, stream_generation
 from refit_helpers import N_ROLLOUTS, perturbed, prompts, split_at_refit, start_rollouts
 
-pytestmark = pytest.mark.engine
 
 
 

@@ -25,7 +25,6 @@ from ray import cloudpickle
 
 from refit_helpers import perturbed
 
-pytestmark = pytest.mark.engine
 
 HOLD_S = 1.0  # the trainer holds the broadcast after bucket 0: every refit below lasts longer than this
 MAX_GAP_S = 0.5  # a free event loop ticks every 10 ms; a blocked one not for the whole refit

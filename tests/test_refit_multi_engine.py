@@ -18,7 +18,6 @@ import ray
 
 from refit_helpers import perturbed, prompts, split_at_refit, start_rollouts
 
-pytestmark = pytest.mark.engine
 
 PER_ENGINE = 3
 GEN_TOKENS = 640  # of max_model_len 1024, after a ~20-token prompt

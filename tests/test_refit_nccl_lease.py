@@ -30,7 +30,6 @@ from ray import cloudpickle
 
 from rollout_service.refit.controller import RefitController
 
-pytestmark = pytest.mark.engine
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import test modules
 

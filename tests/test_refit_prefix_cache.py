@@ -11,21 +11,20 @@ import torch
 from engine_helpers import hf_sampled_logprobs, load_hf_model, stream_generation
 from refit_helpers import running_controller
 
-pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def controller(ray_session, tiny_model_dir):
+def prefix_cache_controller(ray_session, tiny_model_dir):
     with running_controller(tiny_model_dir, enable_prefix_caching=True) as actor:
         yield actor
 
 
-async def test_no_prefix_cache_hit_crosses_a_refit(controller, tiny_tokenizer, tiny_model_dir):
+async def test_no_prefix_cache_hit_crosses_a_refit(prefix_cache_controller, tiny_tokenizer, tiny_model_dir):
     from safetensors.torch import load_file
 
     from rollout_service.refit.client import TrainerClient
 
-    engine = (await controller.get_engines.remote())[0]
+    engine = (await prefix_cache_controller.get_engines.remote())[0]
     text = " ".join(f"fact {i} is that the number {i * 7} is odd or even." for i in range(40))
     prompt = list(tiny_tokenizer(text)["input_ids"])
     assert len(prompt) > 300  # spans several KV blocks
@@ -41,7 +40,7 @@ async def test_no_prefix_cache_hit_crosses_a_refit(controller, tiny_tokenizer, t
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     g = torch.Generator().manual_seed(11)
     w1 = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
-    client = TrainerClient(controller, timeout_s=60)
+    client = TrainerClient(prefix_cache_controller, timeout_s=60)
     report = client.refit("1", w1, transport="object_store", clear_cache=False)
     assert report["ok"] and not report["clear_cache"]
 

@@ -13,7 +13,6 @@ import ray
 
 from serve_helpers import IM_END, MODEL
 
-pytestmark = pytest.mark.serve
 
 
 async def _turn(client, rid, messages, seed, retries=10):

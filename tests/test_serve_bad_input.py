@@ -26,7 +26,6 @@ import pytest
 
 from serve_helpers import MODEL
 
-pytestmark = pytest.mark.serve
 
 VOCAB = 151936  # max(len(tokenizer), model vocab_size) of the tiny model: ids 151669..151935 are valid outputs
 DROP = object()  # a field value meaning: leave this field out of the base body

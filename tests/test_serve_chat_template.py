@@ -16,7 +16,6 @@ import pytest
 
 from serve_helpers import MODEL, WEATHER_TOOL, echo_assistant
 
-pytestmark = pytest.mark.serve
 
 SHARED_TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "chat-templates"
 HERMES = SHARED_TEMPLATES / "hermes-tools.jinja"

@@ -11,7 +11,6 @@ import pytest
 
 from serve_helpers import MODEL, WEATHER_TOOL
 
-pytestmark = pytest.mark.serve
 
 
 def test_forced_tool_turns_are_marked_constrained_and_free_turns_are_not(http):

@@ -8,7 +8,6 @@ import pytest
 
 from serve_helpers import MODEL
 
-pytestmark = pytest.mark.serve
 
 
 def test_models_is_vllm_compatible(openai_client, tiny_model_dir):

@@ -10,7 +10,6 @@ import pytest
 
 from serve_helpers import MODEL
 
-pytestmark = pytest.mark.serve
 
 
 def _assert_envelope(r: httpx.Response, status: int, param: str | None = None, code: str | None = None):

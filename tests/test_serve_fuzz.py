@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-pytestmark = pytest.mark.serve
 
 BUDGET_S = 60.0  # wall clock for every operation and mode together
 MAX_EXAMPLES = 50  # per operation and mode

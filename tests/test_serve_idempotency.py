@@ -11,7 +11,6 @@ import pytest
 
 from serve_helpers import MODEL, parse_sse
 
-pytestmark = pytest.mark.serve
 
 
 def _rollout(http):

@@ -17,7 +17,6 @@ import torch
 
 from serve_helpers import MODEL, parse_sse
 
-pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")

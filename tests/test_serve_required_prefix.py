@@ -18,7 +18,6 @@ import pytest
 
 from serve_helpers import IM_END, MODEL, expected_tail_text
 
-pytestmark = pytest.mark.serve
 
 REPO = Path(__file__).resolve().parents[1]
 GYM = REPO / ".venv" / "nemo-gym-0.7"  # installed there by scripts/setup.sh

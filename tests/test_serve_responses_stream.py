@@ -8,7 +8,6 @@ import pytest
 
 from serve_helpers import MODEL, WEATHER_TOOL
 
-pytestmark = pytest.mark.serve
 
 TOOL = {"type": "function", **{k: WEATHER_TOOL["function"][k] for k in ("name", "description", "parameters")}}
 

@@ -15,7 +15,6 @@ import pytest
 from engine_helpers import load_hf_model
 from serve_helpers import IM_END, MODEL, WEATHER_TOOL, echo_assistant, expected_tail_text, parse_sse, tool_result
 
-pytestmark = pytest.mark.serve
 
 
 def _msg(completion) -> dict:

@@ -9,7 +9,6 @@ import pytest
 
 from serve_helpers import MODEL
 
-pytestmark = pytest.mark.serve
 
 
 def _call(http, messages, *, headers=None, metadata=None, seed=1):

@@ -50,7 +50,6 @@ def _status(http) -> dict:
     return r.json()
 
 
-@pytest.mark.serve
 def test_status_reports_the_engines_and_counts_stored_rollouts_exactly(http, service):
     before = _status(http)
     assert before["object"] == "service.status" and before["model"] == MODEL and before["errors"] == {}
@@ -71,7 +70,6 @@ def test_status_reports_the_engines_and_counts_stored_rollouts_exactly(http, ser
     assert _status(http)["rollouts"]["stored"] == before["rollouts"]["stored"] + 2
 
 
-@pytest.mark.serve
 async def test_status_shows_the_last_refit(service, tiny_model_dir):
     """The model's own weights from disk under a new label: other tests keep the same model."""
     import httpx
@@ -101,7 +99,6 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(CLI), "status", *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.serve
 def test_the_status_command_prints_a_table_and_json(http, service):
     status = _status(http)
     table = _cli("--url", service.url)

@@ -162,7 +162,6 @@ def _chat(http, rid: str, messages: list[dict], max_tokens: int) -> dict:
     return r.json()["choices"][0]["message"]
 
 
-@pytest.mark.serve
 def test_the_page_of_a_forked_rollout_in_a_real_browser_holds_every_token(http, service, tmp_path):
     rid = f"view-{uuid.uuid4().hex[:8]}"
     history = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say <b>hi</b> & go"}]
@@ -201,7 +200,6 @@ def test_the_page_of_a_forked_rollout_in_a_real_browser_holds_every_token(http, 
     assert "<b>hi</b>" in "".join(t for _, _, t in page.segments[0])  # the user's markup is shown as text
 
 
-@pytest.mark.serve
 def test_the_viewer_answers_404_for_an_unknown_rollout_and_400_for_an_invalid_id(http):
     r = http.get(f"/rollouts/nope-{uuid.uuid4().hex[:8]}/view")
     assert r.status_code == 404 and r.json()["error"]["code"] == "rollout_not_found"

@@ -264,6 +264,7 @@ os._exit(0)  # as `up` does: Ray's exit hook would wait 60 s for the dead GCS, t
 """
 
 
+@pytest.mark.cluster  # a Ray driver of its own, in a subprocess
 def test_a_sigterm_to_the_drivers_whole_process_group_is_detected_and_everything_is_stopped(tmp_path):
     """``kill -TERM -<pgid>`` (a service manager stopping a unit, a shell killing a job) reaches the
     GCS and raylet too: they share the driver's group. The GCS closes its port at once, so every
@@ -351,7 +352,9 @@ def _redis_killed_under_up_comes_back_with_every_turn(base: str, redis_pid: int,
     assert rollout["turn"] == 3 and rollout["monotonic"], rollout
 
 
+@pytest.mark.cluster
 @pytest.mark.engine
+@pytest.mark.serve  # `rollout-service up`: its own Ray, Serve app and engine
 def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp_path):
     """SIGTERM starts the orderly stop (Ray's driver used to abort 3 s into it, orphaning the
     redis-server and the raylet's agents); a SIGINT 4 s later, mid-stop, cuts the engines' wind-down
