@@ -16,6 +16,7 @@ from rollout_service.onpolicy import (
     build_prompt,
     finish_turn,
     parse_output,
+    render_message,
 )
 
 SHARED_TEMPLATES = Path(__file__).resolve().parents[2] / "shared" / "chat-templates"
@@ -146,3 +147,28 @@ def naive_prompt_ids(tmpl: ChatTemplate, messages, tools=None, kwargs=None) -> l
     return tmpl.encode(
         tmpl.render([render_message(m) for m in messages], tools=tools, add_generation_prompt=True, chat_template_kwargs=kwargs)
     )
+
+
+def assert_spliced(r: Rollout, prev: Call, cur: Call) -> None:
+    """``cur``'s prompt is ``prev``'s prompt + generation, exactly, then a tail that is checked against
+    an oracle independent of how the core builds it: a fresh render of the whole conversation. The
+    tail's text ends that render (what the template puts after the previous assistant message: its
+    end of turn where the model did not emit it, the new messages, the generation prompt), right
+    after the end of turn the model generated when it did, and every new message's text is in it."""
+    base = prev.plan.prompt_ids + prev.gen_ids
+    assert cur.plan.monotonic and not cur.plan.new_segment
+    assert cur.plan.prompt_ids[: len(base)] == base, "the previous prompt and generation, re-tokenized"
+    tail = decode(cur.plan.prompt_ids[len(base):])
+    sent = r.messages[: len(cur.plan.messages)]  # the conversation as the client sent it for this call
+    fresh = r.tmpl.render([render_message(m) for m in sent], tools=r.tools, add_generation_prompt=True,
+                          chat_template_kwargs=r.kwargs)
+    assert tail and fresh.endswith(tail), f"tail {tail!r} does not end the fresh render {fresh[-300:]!r}"
+    eot = decode([IM_END])
+    if prev.gen_ids and prev.gen_ids[-1] == IM_END and eot in fresh:
+        # The model ended its turn with the template's own end of turn: the tail does not end it again.
+        assert fresh.endswith(eot + tail), f"tail {tail!r} repeats the generated end of turn"
+    for m in cur.plan.new_messages:
+        content = m.get("content")
+        if isinstance(content, str) and content:
+            assert content in tail, f"new message {content!r} not in the tail {tail!r}"
+

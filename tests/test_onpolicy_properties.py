@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from onpolicy_fixtures import IM_END, TOOLS, Rollout, all_template_names, encode, template
+from onpolicy_fixtures import IM_END, TOOLS, Rollout, all_template_names, assert_spliced, encode, template
 from test_onpolicy_templates import NO_TOOLS
 
 WORDS = ["Skinny", " Skinny", " understatement", " weather", "man", " the", " 42", "\n", "  ", "ok", "é", " 東京", "!"]
@@ -71,8 +71,7 @@ def test_monotonic_splice_and_loss_mask(name, data):
     script = data.draw(turns(with_tools))
     r, calls = _play(name, script, with_tools)
     for prev, cur in zip(calls, calls[1:]):
-        assert cur.plan.monotonic and not cur.plan.new_segment
-        assert cur.plan.prompt_ids == prev.plan.prompt_ids + prev.gen_ids + cur.plan.added_prompt_ids
+        assert_spliced(r, prev, cur)
     (seg,) = r.state.segments
     assert [t for t, m in zip(seg.token_ids, seg.loss_mask) if m] == [t for c in calls for t in c.gen_ids]
     assert len(seg.token_ids) == len(seg.loss_mask) == len(seg.logprobs)

@@ -6,7 +6,7 @@ render of the history and must be identical to the bounded-window tail.
 
 import pytest
 
-from onpolicy_fixtures import IM_END, TOOLS, Rollout, all_template_names, encode, template
+from onpolicy_fixtures import IM_END, TOOLS, Rollout, all_template_names, assert_spliced, encode, template
 from rollout_service.onpolicy import UnsupportedConversation, build_prompt, render_message
 
 # Conversations with tools that these templates cannot express, and why (docs/onpolicy.md).
@@ -56,8 +56,7 @@ def test_monotonic_turns_are_exact_or_clearly_refused(name, kind):
         return
     calls = _chat(r) if kind == "chat" else _tools(r)
     for prev, cur in zip(calls, calls[1:]):
-        assert cur.plan.monotonic and not cur.plan.new_segment
-        assert cur.plan.prompt_ids == prev.plan.prompt_ids + prev.gen_ids + cur.plan.added_prompt_ids
+        assert_spliced(r, prev, cur)
         assert cur.plan.added_prompt_ids, "every tail holds at least the new message"
     seg = r.state.segments[0]
     assert len(r.state.segments) == 1

@@ -40,12 +40,16 @@ BUCKET_BYTES = 4 * 1024 * 1024  # the service's refit.bucket_bytes: vLLM's packe
 class NcclStandInController(RefitController):
     """The real controller; only the fan-out of vLLM's weight-transfer worker methods (NCCL on a GPU)
     is a stand-in: it records what each engine would receive, and whether the engines were paused,
-    then runs a worker method that works on CPU on every engine."""
+    then runs a worker method that works on CPU on every engine. After :meth:`load_on_next_update`,
+    the next ``update_weights`` really changes the engines' weights (from a checkpoint directory),
+    as vLLM's layerwise load in place does, and records their checksums right after."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fan_outs: list[tuple[str, list, list[bool]]] = []
         self.refuse: str | None = None
+        self.update_from: str | None = None
+        self.after_update: list[str] | None = None
 
     async def _nccl_fan_out(self, engines, method: str, kwargs=None) -> None:
         per_engine = kwargs if isinstance(kwargs, list) else [kwargs] * len(engines)
@@ -54,7 +58,19 @@ class NcclStandInController(RefitController):
         if method == self.refuse:
             self.refuse = None
             raise RuntimeError(f"{method} refused by the worker (stand-in)")
+        if method == "update_weights" and self.update_from is not None:
+            path, self.update_from = self.update_from, None
+            await asyncio.gather(*[e.collective_rpc.remote("rs_reload_from_path", args=(path,)) for e in engines])
+            sums = await asyncio.gather(*[e.collective_rpc.remote("rs_weights_checksum") for e in engines])
+            self.after_update = [c for per_engine in sums for c in per_engine]
+            return
         await asyncio.gather(*[e.collective_rpc.remote("rs_weights_checksum") for e in engines])
+
+    def load_on_next_update(self, path: str) -> None:
+        self.update_from = path
+
+    def checksums_after_update(self) -> list[str] | None:
+        return self.after_update
 
     def recorded_fan_outs(self) -> list[tuple[str, list, list[bool]]]:
         return self.fan_outs
@@ -82,6 +98,24 @@ def rig(refit_controller, tiny_model_dir):
     ray.kill(controller)
 
 
+@pytest.fixture(scope="module")
+def other_weights(tiny_model_dir, tmp_path_factory):
+    """A checkpoint directory with weights other than the engines' (and vLLM's update info for them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from refit_helpers import perturbed
+
+    ckpt = tmp_path_factory.mktemp("nccl") / "ckpt"
+    shutil.copytree(tiny_model_dir, ckpt)
+    weights = perturbed(load_file(str(ckpt / "model.safetensors")), seed=61)
+    save_file(weights, str(ckpt / "model.safetensors"))
+    info = {"names": list(weights), "dtype_names": [str(t.dtype).split(".")[-1] for t in weights.values()],
+            "shapes": [list(t.shape) for t in weights.values()]}
+    return str(ckpt), info
+
+
 def _worker_init_info(world_size: int) -> dict:
     """What vLLM's trainer engine sends for the workers (rank_offset 1: after the trainer)."""
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
@@ -90,7 +124,9 @@ def _worker_init_info(world_size: int) -> dict:
                                                           rank_offset=1, world_size=world_size, packed=True))
 
 
-async def test_an_abandoned_nccl_round_resumes_every_engine_when_its_lease_runs_out(rig):
+async def test_an_abandoned_nccl_round_resumes_every_engine_when_its_lease_runs_out(rig, other_weights):
+    """The trainer dies after vLLM loaded part of a new state dict in place: the lease runs out, every
+    engine gets the committed weights back and is resumed."""
     from rollout_service.refit.types import RefitFailed, RefitInProgress
 
     controller, fleet = rig
@@ -102,8 +138,13 @@ async def test_an_abandoned_nccl_round_resumes_every_engine_when_its_lease_runs_
     assert await engine.is_paused.remote() and (await fleet.stats.remote())["refitting"]
     with pytest.raises(RefitInProgress):
         await controller.nccl_start_weight_update.remote()
+    path, info = other_weights
+    await controller.load_on_next_update.remote(path)
+    await controller.nccl_update_weights.remote(info)  # the engines now hold other weights
+    changed = await controller.checksums_after_update.remote()
+    assert changed and all(c != checksum[0] for c in changed), "precondition: the update changed the weights"
     t0 = time.monotonic()
-    # The trainer dies here: no update, no finish, no renewal.
+    # The trainer dies here: no finish, no renewal.
     while await engine.is_paused.remote():
         assert time.monotonic() - t0 < LEASE_S + 10, "engines still paused after the lease ran out"
         await asyncio.sleep(0.1)

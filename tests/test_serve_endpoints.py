@@ -98,15 +98,6 @@ def test_chat_template_kwargs_reach_the_template(http, tiny_tokenizer):
     assert msg.get("reasoning_content") is None and msg["content"]
 
 
-def test_tool_choice_none_returns_text_not_tool_calls(http):
-    from serve_helpers import WEATHER_TOOL
-
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL],
-            "tool_choice": "none", "max_tokens": 6, "seed": 8}
-    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
-    assert not choice["message"].get("tool_calls") and choice["finish_reason"] in ("length", "stop")
-
-
 def test_responses_stream_cut_by_max_output_tokens_ends_incomplete(openai_client):
     import uuid
 
