@@ -286,6 +286,11 @@ class FleetConfig(_Strict):
         "is retired (reported in stats and logs) instead of restarted forever.",
     )
     replacement_window_s: float = Field(600.0, gt=0, description="Window of max_replacements.")
+    app_watch_interval_s: float = Field(
+        5.0, gt=0,
+        description="How often the fleet checks that a Serve app it serves still exists; once every one is gone "
+        "for three checks in a row (`serve delete`, `serve shutdown`), it stops its engines and itself.",
+    )
     keep_weights_copy: bool = Field(
         True,
         description="After a refit whose weights came from memory (collective, object store), keep one copy in "

@@ -14,9 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from rollout_service.ops.runtime import apply_local_env
+from rollout_service.ops.runtime import LOCAL_RAY_ENV, apply_local_env
 
 apply_local_env()
+os.environ.update(LOCAL_RAY_ENV)  # no idle workers prestarted on either node
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402

@@ -151,8 +151,9 @@ def http(service):
 
 
 @pytest.fixture(scope="session")
-async def fleet_rig(ray_session, redis_server, tiny_model_dir, tiny_tokenizer):
-    """Two real engines owned by a real (anonymous) fleet, the data plane over it, a controller."""
+async def fleet_rig(ray_session, redis_server, tiny_model_dir, tiny_tokenizer, request):
+    """Two real engines owned by a real (anonymous) fleet, the data plane over it, a controller;
+    stopped after the last test that uses it."""
     import ray
 
     from fleet_helpers import FleetRig, start_rig
@@ -166,11 +167,21 @@ async def fleet_rig(ray_session, redis_server, tiny_model_dir, tiny_tokenizer):
     client = await connect(fleet)
     runner = TurnRunner(cfg, client, store, tiny_tokenizer)
     trainer = TrainerClient(controller, timeout_s=60)
+    stopped = []
+
+    def stop() -> None:
+        if stopped:
+            return
+        stopped.append(True)
+        client.stop_watching()
+        client.close_channels()
+        try:
+            ray.get(fleet.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(controller)
+            ray.kill(fleet)
+
+    release_after_last_user(request, "fleet_rig", stop)
     yield FleetRig(fleet, controller, runner, store, trainer, cfg)
-    client.stop_watching()
     await store.close()
-    try:
-        ray.get(fleet.shutdown.remote(), timeout=60)
-    finally:
-        ray.kill(controller)
-        ray.kill(fleet)
+    stop()

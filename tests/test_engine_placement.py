@@ -132,9 +132,10 @@ def test_engine_args_use_the_ray_executor_for_tensor_parallel_gpu_engines():
 _PROBE = r'''
 import asyncio, json, os, sys, tempfile, time, traceback
 
-from rollout_service.ops.runtime import RAY_ENV, apply_ray_env
+from rollout_service.ops.runtime import LOCAL_RAY_ENV, RAY_ENV, apply_ray_env
 
 apply_ray_env()
+os.environ.update(LOCAL_RAY_ENV)  # no idle workers prestarted on the nodes: the probe starts its actors
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -440,7 +441,7 @@ def pinned():
 # 2 GPUs and the custom resource "engine_node" that pinned engines ask for.
 results = {"seconds": {}}
 node_args = dict(include_dashboard=False, temp_dir=os.environ["PROBE_RAY_TMP"], node_ip_address="127.0.0.1",
-                 env_vars={k: os.environ[k] for k in RAY_ENV})
+                 env_vars={k: os.environ[k] for k in (*RAY_ENV, *LOCAL_RAY_ENV)})
 cluster = Cluster()
 try:
     t0 = time.monotonic()

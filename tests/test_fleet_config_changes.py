@@ -46,6 +46,7 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
                        "cpu_kvcache_space_gib": TEST_KV_GIB},
             "store": {"redis_url": redis_server, "key_prefix": APP},
             "service": {"instance_name": APP, "num_affinity_replicas": 1},
+            "fleet": {"app_watch_interval_s": 1.0},
         })
 
     health = f"{service.url}/{APP}/health"

@@ -45,9 +45,9 @@ def test_controller_client_implements_vllms_weight_sync_client_protocol():
 def test_every_worker_method_the_controller_fans_out_exists_on_vllms_worker():
     from vllm.v1.worker.gpu_worker import Worker
 
-    from rollout_service.refit.controller import RefitController
+    from rollout_service.refit.nccl import NcclRounds
 
-    source = inspect.getsource(RefitController)
+    source = inspect.getsource(NcclRounds)  # the controller's NCCL round
     for name in WORKER_METHODS:
         assert callable(getattr(Worker, name, None)), name
         assert f'"{name}"' in source, f"controller never calls {name}"
@@ -125,7 +125,7 @@ def test_each_engine_gets_its_own_nccl_ranks():
     shared offset would give every engine the same ranks. 3 engines x TP 2: ranks 1..6, trainer 0."""
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 
-    from rollout_service.refit.controller import nccl_worker_init_infos
+    from rollout_service.refit.nccl import nccl_worker_init_infos
     from rollout_service.refit.types import WeightSyncNotInitialized
 
     sent = worker_init_payload(NCCLWeightTransferInitInfo(master_address="10.0.0.1", master_port=29500,

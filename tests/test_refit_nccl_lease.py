@@ -240,7 +240,7 @@ def test_trainer_client_takes_bucket_size_and_timeout_from_the_service_unless_gi
 def test_nccl_update_size_is_what_the_tensors_hold_for_every_dtype():
     import torch
 
-    from rollout_service.refit.controller import nccl_update_size
+    from rollout_service.refit.nccl import nccl_update_size
 
     tensors = {str(d): torch.zeros((3, 5), dtype=d) for d in (
         torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32,

@@ -29,8 +29,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+
 from rollout_service.config import FleetConfig, RolloutServiceConfig
 from rollout_service.fleet.types import FleetView, Member, is_actor_dead
+from rollout_service.fleet.lifecycle import kill_processes, wait_until_apps_gone
 from rollout_service.fleet.health import SERVING, EngineState, FleetHealth, HealthPolicy
 from rollout_service.metrics import get_metrics
 
@@ -427,7 +430,7 @@ class EngineFleet:
         if processes:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            _kill_processes.options(
+            kill_processes.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(processes["node_id"], soft=False)
             ).remote(processes["processes"])
 
@@ -546,69 +549,22 @@ class EngineFleet:
 
     # ------------------------------------------------------------------ app watch
     async def _watch_apps(self) -> None:
-        """Stop when every Serve app that attached is gone (``serve delete``, ``serve shutdown``).
-
-        Gone means: Serve answers and none of the apps is listed, or Serve's controller actor no
-        longer exists — for three checks in a row (~15 s). A controller that is only restarting
-        (it crashed; Ray restarts it) is not counted: losing every engine over a blip would be
-        far worse than a few seconds of delay after a real deletion."""
-        import ray
-        from ray import serve
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-        missing = 0
-        while True:
-            await asyncio.sleep(5)
+        """Stop the engines, the dependents and this actor once every attached Serve app is gone."""
+        await wait_until_apps_gone(lambda: self._apps, self.config.fleet.app_watch_interval_s)
+        logger.warning("Serve app(s) %s deleted: stopping the engine fleet", sorted(self._apps))
+        await self.shutdown()
+        for actor in self._dependents:
             try:
-                ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-            except ValueError:
-                gone = True  # serve shutdown
-            else:
-                try:
-                    apps = set((await asyncio.wait_for(asyncio.to_thread(serve.status), 30)).applications)
-                    gone = bool(self._apps) and not (self._apps & apps)
-                except Exception:  # Serve's controller restarting: not evidence of a deletion
-                    gone = False
-            missing = missing + 1 if gone else 0
-            if missing >= 3:
-                logger.warning("Serve app(s) %s deleted: stopping the engine fleet", sorted(self._apps))
-                await self.shutdown()
-                for actor in self._dependents:
-                    try:
-                        ray.kill(actor, no_restart=True)
-                    except Exception:
-                        pass
-                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-                return
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
 
 async def _ready(ref) -> None:
     import ray
 
     await asyncio.to_thread(ray.wait, [ref], num_returns=1, fetch_local=False)
-
-
-def _remote(fn):
-    import ray
-
-    return ray.remote(num_cpus=0)(fn)
-
-
-@_remote
-def _kill_processes(processes: list[tuple[int, float]]) -> int:
-    """SIGKILL these processes if they are still the ones recorded (pid and start time match)."""
-    import psutil
-
-    killed = 0
-    for pid, created in processes:
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - created) < 1e-3:
-                p.kill()
-                killed += 1
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return killed
 
 
 def _short(exc: BaseException) -> str:

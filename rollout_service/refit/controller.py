@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import re
 import time
 from typing import Any
 
@@ -30,12 +28,14 @@ from rollout_service.config import RolloutServiceConfig
 from rollout_service.fleet.types import FleetView, Member, is_actor_dead, is_engine_death
 from rollout_service.weights.collective import ABORT_MESSAGE
 from rollout_service.metrics import get_metrics
+from rollout_service.refit.nccl import NcclRounds
 from rollout_service.refit.types import (
     MEMBERSHIP_CHANGED,
     RefitFailed,
     RefitInProgress,
     RefitReport,
     WeightSyncNotInitialized,
+    short_error,
 )
 
 logger = logging.getLogger(__name__)
@@ -44,11 +44,7 @@ CONTROLLER_NAME = "rollout-service-refit"
 CONTROLLER_NAMESPACE = "rollout-service"
 
 
-class RefitController:
-    # vLLM's worker methods that open / close an NCCL weight-update round (GPU only).
-    _NCCL_START = "start_weight_update"
-    _NCCL_FINISH = "finish_weight_update"
-
+class RefitController(NcclRounds):
     def __init__(self, config: RolloutServiceConfig | dict, fleet=None):
         self.config = config if isinstance(config, RolloutServiceConfig) else RolloutServiceConfig.model_validate(config)
         self._fleet = fleet
@@ -367,7 +363,7 @@ class RefitController:
             report.ok = True
         except BaseException as exc:  # noqa: BLE001 - every failure must end in a consistent, resumed state
             report.failed_step = step
-            report.error = _short_error(exc)
+            report.error = short_error(exc)
             logger.warning("refit to %s failed at %s: %s", version, step, report.error)
             report.rolled_back = await self._recover(view, previous, load_attempted, labelled, timeout, report)
         finally:
@@ -403,7 +399,7 @@ class RefitController:
                     await self.fleet.report_failure.remote(m.slot, m.generation, f"{type(exc).__name__}: during a refit",
                                                            is_actor_dead(exc))
                     return
-                broken.append(f"engine slot {m.slot}: {_short_error(exc)}")
+                broken.append(f"engine slot {m.slot}: {short_error(exc)}")
                 unrestorable.append(m)
 
         await asyncio.gather(*[one(m) for m in view.members])
@@ -436,194 +432,6 @@ class RefitController:
             asyncio.gather(*[getattr(e, method).remote() for e in engines], return_exceptions=True), timeout)
         return int(sum(v for v in values if isinstance(v, int)))
 
-    # ------------------------------------------------ GPU: vLLM's NCCL weight transfer
-    # Unverified on GPUs: the VLLMWeightSyncClient calls of vLLM's trainer-side
-    # NCCLTrainerWeightTransferEngine, fanned out to every engine (transports.ControllerWeightSyncClient).
-    # On CPU the handshake and the round run short of vLLM's NCCL calls (tests/test_refit_nccl_lease.py).
-    # The trainer drives the round (start -> update* -> finish) from its own process, so the round
-    # runs under a lease the trainer renews with every call: if the trainer dies mid-round, the lease
-    # runs out and the round is abandoned (weights reloaded, engines resumed, fleet bracket ended).
-    async def nccl_init_weight_transfer_engine(self, init_info: dict) -> None:
-        """Every worker of every serving engine joins the trainer's NCCL group.
-
-        vLLM's trainer engine sends one worker init info (``rank_offset`` 1: the workers after the
-        trainer). vLLM ranks a worker ``rank_offset + its rank within its engine``, and each of our
-        engines is a separate vLLM instance (data-parallel index 0), so engine ``i`` gets
-        ``rank_offset + i * tensor_parallel_size`` — the ranks our gloo group uses. The same info
-        to every engine would give two engines the same ranks and hang the rendezvous."""
-        if self.config.refit.backend != "nccl":
-            raise ValueError("NCCL weight transfer needs engines started with vLLM's weight-transfer engine: set "
-                             "refit.backend: nccl (this service runs gloo: TrainerClient.init_weight_sync() uses it)")
-        view = await self._view()
-        infos = nccl_worker_init_infos(init_info, len(view.members), self.config.engine.tensor_parallel_size)
-        self._nccl_members = [list(m.key) for m in view.members]
-        await self._nccl_fan_out(view.handles(), "init_weight_transfer_engine", [{"init_info": i} for i in infos])
-
-    async def nccl_shutdown_weight_transfer_engine(self) -> None:
-        view = await self._view()
-        await asyncio.gather(*[e.collective_rpc.remote("shutdown_weight_transfer_engine") for e in view.handles()],
-                             return_exceptions=True)
-
-    async def _nccl_fan_out(self, engines, method: str, kwargs: dict | list[dict] | None = None) -> None:
-        """One of vLLM's weight-transfer worker methods on every engine, under the step timeout;
-        ``kwargs`` is one dict for all engines or a list with one per engine."""
-        timeout = self.config.refit.step_timeout_s
-        per_engine = kwargs if isinstance(kwargs, list) else [kwargs] * len(engines)
-        await asyncio.wait_for(asyncio.gather(
-            *[e.collective_rpc.remote(method, kwargs=kw, timeout=timeout) for e, kw in zip(engines, per_engine)]), timeout)
-
-    async def nccl_start_weight_update(self) -> None:
-        """Open a round: pause every engine (keep), then vLLM's ``start_weight_update`` on each.
-
-        Every round is recorded once, when it ends (:meth:`_nccl_release`); a start refused because
-        a refit runs is counted ``rejected`` here, as :meth:`refit` counts it."""
-        if self._refit_lock.locked():
-            get_metrics().refit("rejected")
-            raise RefitInProgress("a refit is already running")
-        await self._refit_lock.acquire()
-        timeout = self.config.refit.step_timeout_s
-        try:
-            view = await self.fleet.begin_refit.remote(lease_s=self.config.refit.lease_s + timeout)
-        except BaseException:
-            self._refit_lock.release()
-            get_metrics().refit("failed")
-            raise
-        round_ = self._nccl = {"view": view, "deadline": time.monotonic() + self.config.refit.lease_s,
-                               "step": "pause", "report": None}
-        round_["watchdog"] = asyncio.get_running_loop().create_task(self._nccl_watchdog(round_))
-        try:
-            if [list(m.key) for m in view.members] != getattr(self, "_nccl_members", None):
-                raise WeightSyncNotInitialized("the serving engines changed since init_weight_transfer_engine: "
-                                               "initialize the NCCL weight transfer again")
-            engines = view.handles()
-            # The version is named only at finish; until then the report has none.
-            report = round_["report"] = RefitReport(
-                version=None, previous_version=self.weight_version, transport="nccl",
-                clear_cache=self.config.refit.clear_cache, engines=[m.slot for m in view.members])
-            round_["t_start"] = t0 = time.perf_counter()
-            await asyncio.wait_for(asyncio.gather(
-                *[e.pause.remote(mode="keep", clear_cache=self.config.refit.clear_cache) for e in engines]), timeout)
-            report.pause_s = time.perf_counter() - t0
-            round_["step"] = "transfer"
-            t0 = time.perf_counter()
-            try:
-                await self._nccl_fan_out(engines, self._NCCL_START)
-            finally:
-                report.transfer_s += time.perf_counter() - t0
-        except BaseException as exc:
-            await self._nccl_release(round_, reload=False, error=exc)
-            raise
-
-    def _nccl_renew(self) -> dict[str, Any]:
-        """The round in progress, its lease renewed (every trainer call renews it)."""
-        round_ = self._nccl
-        if round_ is None:
-            raise RefitFailed("no NCCL weight update in progress (its lease ran out, or start_weight_update "
-                              "was not called)", None)
-        round_["deadline"] = time.monotonic() + self.config.refit.lease_s
-        return round_
-
-    async def nccl_update_weights(self, update_info: dict) -> None:
-        """vLLM's ``update_weights`` on every engine: it receives the broadcast and loads each layer in
-        place as its tensors complete, so its time is the report's ``transfer_s``; the bytes are
-        what ``update_info`` announces."""
-        round_ = self._nccl_renew()
-        report = round_["report"]
-        t0 = time.perf_counter()
-        try:
-            await self._nccl_fan_out(round_["view"].handles(), "update_weights", {"update_info": update_info})
-        except BaseException as exc:
-            report.transfer_s += time.perf_counter() - t0
-            # vLLM loaded part of the weights in place: reload the last good checkpoint, resume.
-            await self._nccl_release(round_, reload=True, error=exc)
-            raise
-        report.transfer_s += time.perf_counter() - t0
-        num_tensors, size = nccl_update_size(update_info)
-        report.num_tensors = (report.num_tensors or 0) + num_tensors
-        report.bytes += size
-
-    async def nccl_finish_weight_update(self, version: str | None) -> None:
-        """vLLM's ``finish_weight_update`` on every engine (it finalizes the layerwise reload: the
-        report's ``load_s``), then label the version (with the resume: ``resume_s``)."""
-        round_ = self._nccl_renew()
-        report = round_["report"]
-        engines = round_["view"].handles()
-        committed = None
-        if version is not None:
-            report.version = str(version)
-        try:
-            round_["step"] = "load"
-            t0 = time.perf_counter()
-            await self._nccl_fan_out(engines, self._NCCL_FINISH)
-            report.load_s = time.perf_counter() - t0
-            round_["step"] = "label"
-            t0 = time.perf_counter()
-            if version is not None:
-                await asyncio.wait_for(asyncio.gather(*[e.set_weight_version.remote(str(version)) for e in engines]),
-                                       self.config.refit.step_timeout_s)
-                self.weight_version = str(version)
-                self._version_history.append(str(version))
-                self._num_refits += 1
-                committed = str(version)
-            report.resume_s = time.perf_counter() - t0
-        except BaseException as exc:
-            await self._nccl_release(round_, reload=True, error=exc)
-            raise
-        await self._nccl_release(round_, reload=False, committed=committed)
-
-    async def _nccl_watchdog(self, round_: dict[str, Any]) -> None:
-        while self._nccl is round_:
-            await asyncio.sleep(min(1.0, self.config.refit.lease_s / 4))
-            if self._nccl is round_ and time.monotonic() > round_["deadline"]:
-                error = f"the trainer did not renew its lease within {self.config.refit.lease_s:.0f}s"
-                logger.warning("NCCL weight update abandoned: %s", error)
-                await self._nccl_release(round_, reload=True, error=error, from_watchdog=True)
-
-    async def _nccl_release(self, round_: dict[str, Any], *, reload: bool, committed: str | None = None,
-                            error: BaseException | str | None = None, from_watchdog: bool = False) -> None:
-        """End ``round_`` (if it is still the one in progress): optionally reload the last committed
-        weights, resume, end the fleet bracket, and record the round, once: ``ok`` without
-        ``error``, else ``failed`` at the step it had reached — with its report if it got as far as
-        the pause, without one (as :meth:`refit` records a stale weight-sync group) if not."""
-        if self._nccl is not round_:
-            return  # already ended: by the watchdog, or by the call that failed first
-        self._nccl = None
-        report: RefitReport | None = round_["report"]
-        engines = round_["view"].handles()
-        if not from_watchdog:
-            round_["watchdog"].cancel()
-        try:
-            if reload:  # the round failed or was abandoned: the engines go back to the last committed weights
-                reloads = await asyncio.gather(*[e.collective_rpc.remote("rs_reload_current") for e in engines],
-                                               return_exceptions=True)
-                if report is not None:
-                    report.rolled_back = not any(isinstance(r, BaseException) for r in reloads)
-            t0 = time.perf_counter()
-            await asyncio.gather(*[e.resume.remote() for e in engines], return_exceptions=True)
-            if report is not None:
-                report.resume_s += time.perf_counter() - t0
-                report.total_s = time.perf_counter() - round_["t_start"]
-        finally:
-            try:
-                await self.fleet.end_refit.remote(committed, None)
-            finally:
-                if self._refit_lock.locked():
-                    self._refit_lock.release()
-                self._nccl_record(round_, report, error)
-
-    def _nccl_record(self, round_: dict[str, Any], report: RefitReport | None, error) -> None:
-        if report is None:
-            get_metrics().refit("failed")
-            return
-        if error is None:
-            report.ok = True
-        else:
-            report.failed_step = round_["step"]
-            report.error = error if isinstance(error, str) else _short_error(error)
-            self._num_failed_refits += 1
-        self._last_report = report.to_dict()
-        get_metrics().refit("ok" if report.ok else "failed", self._last_report)
-
     async def shutdown(self) -> None:
         """Nothing to stop: the engines belong to the fleet (``EngineFleet.shutdown``)."""
         self._weight_sync = None
@@ -632,46 +440,6 @@ class RefitController:
 def _overall(step_timeout: float) -> float:
     """A refit is four steps, each under its own timeout, plus a rollback in the worst case."""
     return 6 * step_timeout + 30
-
-
-def nccl_worker_init_infos(init_info: dict, num_engines: int, tensor_parallel_size: int) -> list[dict]:
-    """Per engine, vLLM's worker init info with that engine's ``rank_offset`` (see
-    ``RefitController.nccl_init_weight_transfer_engine``). Refuses an info whose ``world_size`` is not
-    the trainer plus every worker of ``num_engines`` engines (the serving set changed since the
-    trainer asked ``weight_sync_world_size``)."""
-    world = 1 + num_engines * tensor_parallel_size
-    if init_info.get("world_size") != world:
-        raise WeightSyncNotInitialized(
-            f"NCCL init for world size {init_info.get('world_size')}, but the serving engines make {world} "
-            "(trainer + every worker): the engines changed, initialize the NCCL weight transfer again")
-    base = int(init_info.get("rank_offset", 1))
-    return [{**init_info, "rank_offset": base + i * tensor_parallel_size} for i in range(num_engines)]
-
-
-def nccl_update_size(update_info: dict | list[dict]) -> tuple[int, int]:
-    """(tensors, bytes) an NCCL ``update_weights`` call announces to each engine: numel x itemsize
-    from vLLM's update info (``names`` / ``dtype_names`` / ``shapes``). vLLM also takes a list with
-    one info per worker rank: every worker receives the whole broadcast, so the first stands for all."""
-    info = update_info[0] if isinstance(update_info, list) else update_info
-    size = sum(math.prod(shape) * _dtype_itemsize(dtype) for dtype, shape in zip(info["dtype_names"], info["shapes"]))
-    return len(info["names"]), size
-
-
-def _dtype_itemsize(name: str) -> int:
-    """Bytes per element of a torch dtype named as vLLM names it (``bfloat16``, ``float8_e4m3fn``,
-    ``int64``, ``bool``): the first number is its bits. Without importing torch, which this actor
-    does not otherwise load (an import would stall its event loop, and the round's lease, for seconds)."""
-    bits = re.search(r"\d+", name)
-    return -(-int(bits.group()) // 8) if bits else 1
-
-
-def _short_error(exc: BaseException) -> str:
-    """One line: the root cause's type and message, without Ray's remote traceback."""
-    cause = getattr(exc, "cause", None) or exc
-    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
-    if isinstance(exc, asyncio.TimeoutError) or isinstance(cause, asyncio.TimeoutError):
-        return "TimeoutError: step timed out"
-    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:500]
 
 
 def controller_name(instance_name: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,3 +67,12 @@ class WeightSyncNotInitialized(RuntimeError):
 
 
 MEMBERSHIP_CHANGED = "the serving engines changed since init_weight_sync"
+
+
+def short_error(exc: BaseException) -> str:
+    """One line: the root cause's type and message, without Ray's remote traceback."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    if isinstance(exc, asyncio.TimeoutError) or isinstance(cause, asyncio.TimeoutError):
+        return "TimeoutError: step timed out"
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:500]
