@@ -1,17 +1,17 @@
-"""Sampling options: validated here, with the parameter's name in every error.
+"""Sampling options: validated at the edge, with the parameter's name in every error.
 
-The engine would reject most bad values too, but deep inside a Ray actor and with a message the
-client cannot map to a field — and some it would not reject at all before they fail on the way
-in (an integer too large for the engine's MessagePack transport). Validating at the edge gives
-the HTTP layer a 400 naming ``param`` and keeps bad requests away from the engine: every rule of
-vLLM's ``SamplingParams._verify_args`` / ``verify`` that applies to a field we accept is checked
-here, some more strictly (types: a JSON ``true`` is not the integer 1, ``"0.5"`` is not a
-number; ``n`` is 1). Importable without vLLM.
+The engine would reject bad values too, but deep inside a Ray actor and with a message the client
+cannot map to a field — and some it would not reject at all before they fail on the way in (an
+integer too large for the engine's MessagePack transport). Validating at the edge gives the HTTP
+layer a 400 naming ``param`` and keeps bad requests away from the engine. Two layers: a strict JSON
+type layer of our own (a JSON ``true`` is not the integer 1, ``"0.5"`` is not a number), then
+vLLM's own ``SamplingParams`` checks on the values, plus the few rules vLLM checks only inside the
+engine (stop token ids in the vocabulary, ``top_logprobs`` within its ``max_logprobs``) or not at
+all (``n`` is 1, 64-bit integers). Importable without vLLM.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,43 +105,31 @@ class SamplingOptions(BaseModel):
         return opts
 
     def check(self, max_top_logprobs: int = 20, *, vocab_size: int | None = None) -> None:
-        """vLLM's rules (``SamplingParams._verify_args`` and ``verify``) for the fields we accept."""
+        """This service's own rules, then vLLM's: the values are built into a real ``SamplingParams``
+        (its ``_verify_args``), and a ``VLLMValidationError`` is reported under the parameter it
+        names (or that its message starts with). Skipped without vLLM (the types are still checked)."""
         if self.n != 1:
             raise SamplingParamsError(
                 "n", f"only n=1 is supported (got {self.n}); each sample of a rollout is its own rollout id"
             )
-        _finite_range("temperature", self.temperature, 0.0, 2.0)
-        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise SamplingParamsError("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        _int64("top_k", self.top_k)
-        _finite_range("min_p", self.min_p, 0.0, 1.0)
-        if self.max_tokens is not None:
-            if self.max_tokens < 1:
-                raise SamplingParamsError("max_tokens", f"must be at least 1, got {self.max_tokens}")
-            _int64("max_tokens", self.max_tokens)
+        for name in ("top_k", "max_tokens", "seed"):  # what the engine's MessagePack transport carries
+            value = getattr(self, name)
+            if value is not None:
+                _int64(name, value)
         if len(self.stop) > 16:
             raise SamplingParamsError("stop", "at most 16 stop strings")
-        if any(s == "" for s in self.stop):
-            raise SamplingParamsError("stop", "stop strings must be non-empty strings")
-        for j, t in enumerate(self.stop_token_ids):
+        for j, t in enumerate(self.stop_token_ids):  # vLLM checks these only inside the engine
             if t < 0:
                 raise SamplingParamsError("stop_token_ids", f"stop_token_ids[{j}] = {t}: token ids are non-negative")
             if vocab_size is not None and t >= vocab_size:
                 raise SamplingParamsError(
                     "stop_token_ids", f"stop_token_ids[{j}] = {t} is outside the vocabulary [0, {vocab_size})"
                 )
-        if self.seed is not None:
-            _int64("seed", self.seed)
-        _finite_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _finite_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise SamplingParamsError("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
-        if not (0 <= self.top_logprobs <= max_top_logprobs):
+        if not (0 <= self.top_logprobs <= max_top_logprobs):  # the engine's max_logprobs
             raise SamplingParamsError("top_logprobs", f"must be in [0, {max_top_logprobs}], got {self.top_logprobs}")
         if self.structured_outputs is not None:
             _check_structured_outputs(self.structured_outputs)
+        _check_with_vllm(self)
 
     def to_vllm(self, *, max_tokens: int, cache_salt: str | None = None):
         """vLLM ``SamplingParams``. ``logprobs`` is at least 0 so the sampled token's logprob comes back.
@@ -178,9 +166,27 @@ class SamplingOptions(BaseModel):
         )
 
 
-def _finite_range(name: str, value: float, lo: float, hi: float) -> None:
-    if not math.isfinite(value) or not (lo <= value <= hi):
-        raise SamplingParamsError(name, f"must be in [{lo}, {hi}], got {value}")
+def _check_with_vllm(opts: SamplingOptions) -> None:
+    """vLLM's own checks (``SamplingParams._verify_args``) on the values as the client sent them."""
+    try:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # pragma: no cover - the ingress of a deployment always has vLLM
+        return
+    try:
+        SamplingParams(
+            n=1, temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
+            max_tokens=opts.max_tokens, stop=list(opts.stop) or None, stop_token_ids=list(opts.stop_token_ids) or None,
+            seed=opts.seed, presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
+            repetition_penalty=opts.repetition_penalty, logprobs=opts.top_logprobs, detokenize=True,
+        )
+    except VLLMValidationError as exc:
+        message = " ".join(str(exc.args[0] if exc.args else exc).split())
+        first = message.split(" ", 1)[0]
+        param = exc.parameter or (first if first in SamplingOptions.model_fields else "sampling")
+        if param == "logprobs":
+            param = "top_logprobs"
+        raise SamplingParamsError(param, message) from None
 
 
 def _int64(name: str, value: int) -> None:
