@@ -8,6 +8,7 @@ YAML (``applications[].args``), from the CLI, or in Python.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,35 +99,6 @@ class EngineConfig(_Strict):
         "{engine_node: 0.01} to pin engines to nodes started with that resource. On cpu a placement group is "
         "created only when this is set.",
     )
-    reasoning_parser: str | None = Field("qwen3", description="vLLM reasoning parser name (None: no reasoning split).")
-    tool_parser: str | None = Field("hermes", description="vLLM tool-call parser name (None: no tool parsing).")
-    chat_template: str | None = Field(
-        None,
-        description="Chat template to serve the model with instead of its tokenizer's (like vLLM's `--chat-template`): "
-        "a file path, or the Jinja source inline (a value with `{`, `}` or a newline in it). Read once when the app "
-        "starts; prompt ids, the tail between turns, /tokenize and the check that every message shows in the prompt "
-        "all render with it. The engine "
-        "never sees it (it gets token ids): changing it redeploys the app without restarting the engines. A path "
-        "that does not exist is a config error.",
-    )
-    forced_tool_call_format: Literal["native", "json"] = Field(
-        "native",
-        description="How a forced `tool_choice` (required / named) is sampled. native: in the model's own tool-call "
-        "format, as vLLM's server does: the tool parser's structural tag (Hermes / Qwen: "
-        "`<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>`), or vLLM's JSON schema for parsers without "
-        "one, parsed by the same tool parser as unforced calls. json: bare JSON (the arguments for a named call, a "
-        "list of calls for required), parsed as JSON: tokens the model never emits unforced. Without a "
-        "`tool_parser`, json. Either way a forced call's arguments follow the tool's parameters schema unless the "
-        "tool says `strict: false`. Changing it does not restart the engines.",
-    )
-    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
-        "auto",
-        description="vLLM's `--tool-strict-level`: auto constrains tool calls for forced `tool_choice`, "
-        "`parallel_tool_calls: false` and tools with `strict: true`; function also constrains the call envelope "
-        "of every request with tools (`tool_choice: auto` included); parameter also pins every tool's argument "
-        "schema. A turn sampled under any such grammar is marked constrained. Changing it does not restart the "
-        "engines.",
-    )
     compact_structured_json: bool = Field(
         True,
         description="Structured outputs emit compact JSON: no free whitespace in `response_format` JSON and in the "
@@ -174,6 +146,50 @@ class EngineConfig(_Strict):
             return self.served_model_name
         return Path(self.resolved_model()).name or self.resolved_model()
 
+    @field_validator("bundle_resources")
+    @classmethod
+    def _custom_resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, amount in v.items():
+            if key in ("CPU", "GPU"):
+                raise ValueError(f"bundle_resources: {key} comes from num_cpus_per_engine / tensor_parallel_size")
+            if amount <= 0:
+                raise ValueError(f"bundle_resources: {key} must be > 0, got {amount}")
+        return v
+
+
+class ChatConfig(_Strict):
+    """How messages become prompt ids and generated ids become messages, read by the data plane only
+    (the engines get token ids): the chat template, vLLM's reasoning and tool-call parsers, and the
+    grammar of constrained calls. Changing any of it redeploys the app without restarting the engines."""
+
+    reasoning_parser: str | None = Field("qwen3", description="vLLM reasoning parser name (None: no reasoning split).")
+    tool_parser: str | None = Field("hermes", description="vLLM tool-call parser name (None: no tool parsing).")
+    chat_template: str | None = Field(
+        None,
+        description="Chat template to serve the model with instead of its tokenizer's (like vLLM's `--chat-template`): "
+        "a file path, or the Jinja source inline (a value with `{`, `}` or a newline in it). Read once when the app "
+        "starts; prompt ids, the tail between turns, /tokenize and the check that every message shows in the prompt "
+        "all render with it. The engine "
+        "never sees it (it gets token ids). A path "
+        "that does not exist is a config error.",
+    )
+    forced_tool_call_format: Literal["native", "json"] = Field(
+        "native",
+        description="How a forced `tool_choice` (required / named) is sampled. native: in the model's own tool-call "
+        "format, as vLLM's server does: the tool parser's structural tag (Hermes / Qwen: "
+        "`<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>`), or vLLM's JSON schema for parsers without "
+        "one, parsed by the same tool parser as unforced calls. json: bare JSON (the arguments for a named call, a "
+        "list of calls for required), parsed as JSON: tokens the model never emits unforced. Without a "
+        "`tool_parser`, json. Either way a forced call's arguments follow the tool's parameters schema unless the "
+        "tool says `strict: false`.",
+    )
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        "auto",
+        description="vLLM's `--tool-strict-level`: auto constrains tool calls for forced `tool_choice`, "
+        "`parallel_tool_calls: false` and tools with `strict: true`; function also constrains the call envelope "
+        "of every request with tools (`tool_choice: auto` included); parameter also pins every tool's argument "
+        "schema. A turn sampled under any such grammar is marked constrained.",
+    )
     def resolved_chat_template(self) -> str | None:
         """The template's Jinja source (None: the tokenizer's own)."""
         if self.chat_template is None or _looks_like_jinja(self.chat_template):
@@ -193,16 +209,6 @@ class EngineConfig(_Strict):
                 f"chat_template: {v!r} is neither an existing file nor inline Jinja (inline templates contain "
                 "'{', '}' or a newline)"
             )
-        return v
-
-    @field_validator("bundle_resources")
-    @classmethod
-    def _custom_resources(cls, v: dict[str, float]) -> dict[str, float]:
-        for key, amount in v.items():
-            if key in ("CPU", "GPU"):
-                raise ValueError(f"bundle_resources: {key} comes from num_cpus_per_engine / tensor_parallel_size")
-            if amount <= 0:
-                raise ValueError(f"bundle_resources: {key} must be > 0, got {amount}")
         return v
 
 
@@ -328,8 +334,14 @@ class RefitConfig(_Strict):
     )
 
 
+# Fields that moved from ``engine`` to ``chat`` (2026-11): still accepted under ``engine`` with a
+# warning, for one release.
+MOVED_TO_CHAT = ("reasoning_parser", "tool_parser", "chat_template", "forced_tool_call_format", "tool_strict_level")
+
+
 class RolloutServiceConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    chat: ChatConfig = Field(default_factory=ChatConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     refit: RefitConfig = Field(default_factory=RefitConfig)
@@ -348,6 +360,26 @@ class RolloutServiceConfig(_Strict):
         import yaml
 
         return cls.from_args(yaml.safe_load(Path(path).read_text()) or {})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        """``engine.<field>`` for a field now in ``chat``: moved there, with a warning (deprecated)."""
+        if not isinstance(data, dict) or not isinstance(data.get("engine"), dict):
+            return data
+        old = {k: data["engine"][k] for k in MOVED_TO_CHAT if k in data["engine"]}
+        if not old:
+            return data
+        chat = data.get("chat") or {}
+        if not isinstance(chat, dict):
+            return data
+        both = sorted(k for k in old if k in chat)
+        if both:
+            raise ValueError(f"{', '.join(both)} given both as engine.* (deprecated) and chat.*: give chat.* only")
+        warnings.warn(f"config: engine.{', engine.'.join(old)} moved to chat.* (the engines never read them); the old "
+                      "names are accepted until the next release", FutureWarning, stacklevel=2)
+        engine = {k: v for k, v in data["engine"].items() if k not in old}
+        return {**data, "engine": engine, "chat": {**chat, **old}}
 
     @field_validator("engine")
     @classmethod

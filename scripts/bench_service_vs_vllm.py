@@ -194,7 +194,7 @@ def med(values) -> float:
 
 
 # --------------------------------------------------------------------------- vLLM server
-def vllm_cli_args(engine_cfg, model: str, port: int) -> list[str]:
+def vllm_cli_args(engine_cfg, model: str, port: int, reasoning_parser: str | None = "qwen3") -> list[str]:
     """The CLI equivalent of EngineReplica.engine_args for the tiny model on CPU.
 
     Left out, as irrelevant to this workload: worker_extension_cls (refit hook), the structured
@@ -221,9 +221,9 @@ def vllm_cli_args(engine_cfg, model: str, port: int) -> list[str]:
         args += ["--max-num-batched-tokens", str(max(c.max_model_len, 2048))]
     if c.head_dtype:
         args += ["--hf-overrides", json.dumps({"head_dtype": c.head_dtype})]
-    if c.reasoning_parser:
+    if reasoning_parser:  # the service's chat.reasoning_parser (its default)
         # The service splits reasoning with this parser on every call; vLLM's server does the same work.
-        args += ["--reasoning-parser", c.reasoning_parser]
+        args += ["--reasoning-parser", reasoning_parser]
     return args
 
 

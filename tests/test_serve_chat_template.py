@@ -1,4 +1,4 @@
-"""engine.chat_template over HTTP: an app serving the model with a template other than its tokenizer's.
+"""chat.chat_template over HTTP: an app serving the model with a template other than its tokenizer's.
 
 A second app (own route prefix, same engine: chat_template does not restart the fleet) serves the
 tiny model with the shared Hermes tools template (../shared/chat-templates, read from there). A
@@ -29,7 +29,7 @@ def _deploy(service, name: str, chat_template: str):
     from rollout_service.serve.app import build_app
 
     cfg = service.config.model_copy(deep=True)
-    cfg.engine.chat_template = chat_template
+    cfg.chat.chat_template = chat_template
     cfg.service.num_affinity_replicas = 1
     serve.run(build_app(cfg), name=name, route_prefix=f"/{name}")
     return f"{service.url}/{name}"
@@ -53,21 +53,32 @@ def _hermes_template(tokenizer):
 def test_config_rejects_a_missing_template_path_and_reads_inline_jinja():
     from pydantic import ValidationError
 
-    from rollout_service.config import EngineConfig
+    from rollout_service.config import ChatConfig
 
     with pytest.raises(ValidationError, match="neither an existing file nor inline Jinja"):
-        EngineConfig(chat_template="/no/such/template.jinja")
+        ChatConfig(chat_template="/no/such/template.jinja")
     inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    assert EngineConfig(chat_template=inline).resolved_chat_template() == inline
-    assert EngineConfig(chat_template=str(HERMES)).resolved_chat_template() == HERMES.read_text()
-    assert EngineConfig().resolved_chat_template() is None
+    assert ChatConfig(chat_template=inline).resolved_chat_template() == inline
+    assert ChatConfig(chat_template=str(HERMES)).resolved_chat_template() == HERMES.read_text()
+    assert ChatConfig().resolved_chat_template() is None
 
 
-def test_chat_template_is_not_an_engine_restarting_field():
-    from rollout_service.config import EngineConfig
-    from rollout_service.fleet.fleet import APP_ONLY_ENGINE_FIELDS
+def test_template_and_parser_fields_are_not_engine_fields_and_the_old_names_still_work():
+    """The engines never read them, so they are not in engine.* (whose every change restarts the
+    engines); the old engine.* names are accepted for one release, with a warning."""
+    import warnings
 
-    assert "chat_template" in APP_ONLY_ENGINE_FIELDS <= set(EngineConfig.model_fields)
+    from rollout_service.config import MOVED_TO_CHAT, ChatConfig, EngineConfig, RolloutServiceConfig
+
+    assert set(MOVED_TO_CHAT) <= set(ChatConfig.model_fields) and not set(MOVED_TO_CHAT) & set(EngineConfig.model_fields)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = RolloutServiceConfig.model_validate({"engine": {"tool_parser": None, "chat_template": str(HERMES),
+                                                              "max_num_seqs": 4}})
+    assert cfg.chat.tool_parser is None and cfg.chat.chat_template == str(HERMES) and cfg.engine.max_num_seqs == 4
+    assert any(issubclass(w.category, FutureWarning) and "moved to chat" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match="both as engine"):
+        RolloutServiceConfig.model_validate({"engine": {"tool_parser": None}, "chat": {"tool_parser": "hermes"}})
 
 
 def test_tool_rollout_under_a_configured_template_is_exactly_on_policy(service, hermes_app, http, tiny_tokenizer):

@@ -123,12 +123,12 @@ def test_a_tool_marked_strict_false_keeps_free_arguments_but_the_call_envelope()
 
 
 async def test_the_json_form_stays_available_by_config(fleet_rig, tiny_tokenizer):
-    """engine.forced_tool_call_format: json samples the bare-JSON form on the same engines."""
+    """chat.forced_tool_call_format: json samples the bare-JSON form on the same engines."""
     from rollout_service.serve.turn_types import ToolChoice, TurnRequest
     from rollout_service.serve.turns import TurnRunner
 
     cfg = fleet_rig.config.model_copy(deep=True)
-    cfg.engine.forced_tool_call_format = "json"
+    cfg.chat.forced_tool_call_format = "json"
     runner = TurnRunner(cfg, fleet_rig.runner.fleet, fleet_rig.store, tiny_tokenizer)
     req = TurnRequest(messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER_TOOL],
                       tool_choice=ToolChoice(mode="named", name="get_weather"), max_tokens=48,

@@ -36,7 +36,7 @@ class CannedFleet:
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir, tiny_tokenizer):
-    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(tiny_model_dir), "reasoning_parser": None}})
+    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(tiny_model_dir)}, "chat": {"reasoning_parser": None}})
     ids = tiny_tokenizer.encode(CALL_TEXT, add_special_tokens=False) + [IM_END]
     return TurnRunner(cfg, CannedFleet(ids), None, tiny_tokenizer)
 

@@ -39,10 +39,6 @@ from rollout_service.metrics import get_metrics
 
 logger = logging.getLogger(__name__)
 
-# Engine-section fields the engines never see (the app renders prompts itself and sends token
-# ids): a change redeploys the app but does not restart the fleet's engines.
-APP_ONLY_ENGINE_FIELDS = frozenset({"chat_template", "forced_tool_call_format", "tool_strict_level"})
-
 FLEET_NAME = "rollout-service-fleet"  # fleet_name(default instance_name)
 FLEET_NAMESPACE = "rollout-service"
 BASE_VERSION = "0"  # the label of the model's own weights
@@ -131,8 +127,7 @@ class EngineFleet:
 
     async def _ensure_config(self, new: RolloutServiceConfig) -> list[str]:
         old_engine = self.config.engine.model_dump()
-        changed = [k for k, v in new.engine.model_dump().items()
-                   if k not in APP_ONLY_ENGINE_FIELDS and old_engine.get(k) != v]
+        changed = [k for k, v in new.engine.model_dump().items() if old_engine.get(k) != v]
         same_model = new.engine.resolved_model() == self.config.engine.resolved_model()
         if not changed:
             self.config = new

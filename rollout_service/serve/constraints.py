@@ -2,7 +2,7 @@
 
 The grammar vLLM's server would use (:meth:`Constraints.grammar`: the tool parser's own tool-call
 format for a forced ``tool_choice``, ``response_format``, strict tools), or — for a forced call
-sampled as bare JSON (``engine.forced_tool_call_format: json``, or no tool parser) — a JSON schema
+sampled as bare JSON (``chat.forced_tool_call_format: json``, or no tool parser) — a JSON schema
 over the tools' parameters (:func:`forced_json_schema`) whose output :func:`parse_forced` reads.
 """
 
@@ -19,16 +19,16 @@ from rollout_service.serve.turn_types import TurnRequest
 
 
 class Constraints:
-    """The replica's grammar policy, from the engine section of the config and the tokenizer."""
+    """The replica's grammar policy, from the ``chat`` section of the config and the tokenizer."""
 
     def __init__(self, config: RolloutServiceConfig, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
 
     def json_forced(self, req: TurnRequest) -> bool:
-        """A forced tool call sampled as bare JSON (``engine.forced_tool_call_format: json``, or no
+        """A forced tool call sampled as bare JSON (``chat.forced_tool_call_format: json``, or no
         tool parser to give the model's own format), parsed as JSON rather than by the tool parser."""
-        ec = self.config.engine
+        ec = self.config.chat
         return req.tool_choice.forced and (ec.forced_tool_call_format == "json" or not ec.tool_parser)
 
     def grammar(self, req: TurnRequest) -> dict[str, Any] | None:
@@ -36,7 +36,7 @@ class Constraints:
         (structural tag) for a forced ``tool_choice``, ``response_format``, strict tools."""
         if not req.tools and req.response_format is None:
             return None
-        ec = self.config.engine
+        ec = self.config.chat
         if (req.response_format is None and req.tool_choice.mode in ("auto", "none") and ec.tool_strict_level == "auto"
                 and req.parallel_tool_calls is not False
                 and not any((t.get("function") or {}).get("strict") is True for t in req.tools or [])
@@ -50,7 +50,7 @@ class Constraints:
                 tool_parser=ec.tool_parser if req.tool_choice.mode != "none" else None,
                 tools=req.tools, tool_choice=vllm_tool_choice(req), parallel_tool_calls=req.parallel_tool_calls,
                 response_format=req.response_format, strict_level=ec.tool_strict_level,
-                max_json_whitespace=1 if ec.compact_structured_json else None)
+                max_json_whitespace=1 if self.config.engine.compact_structured_json else None)
         except (ValueError, TypeError, VLLMClientError) as exc:  # pydantic's ValidationError is a ValueError;
             # vLLM's own (a json_schema format without a schema: "none are specified")
             raise bad_request(f"response_format: {_first_error(exc)}", param="response_format",

@@ -70,12 +70,12 @@ class _InFlight:
 
 
 def _chat_template(config: RolloutServiceConfig, tokenizer) -> ChatTemplate:
-    """The tokenizer's template, or engine.chat_template (read once, here) in its place."""
-    source = config.engine.resolved_chat_template()
+    """The tokenizer's template, or chat.chat_template (read once, here) in its place."""
+    source = config.chat.resolved_chat_template()
     if source is None:
         return ChatTemplate(tokenizer)
-    given = config.engine.chat_template
-    name = "engine.chat_template" if source is given else given.rsplit("/", 1)[-1]
+    given = config.chat.chat_template
+    name = "chat.chat_template" if source is given else given.rsplit("/", 1)[-1]
     return ChatTemplate(tokenizer, source, name=name)
 
 
@@ -98,7 +98,7 @@ class TurnRunner(RolloutReads):
         and parser modules and building its cached tokenizer view, which otherwise made the first call
         of each replica seconds slower (docs/benchmarks.md, "First call of a replica"). Blocking: run
         it in a thread."""
-        ec = self.config.engine
+        ec = self.config.chat
         prompt = self.tokenizer.encode("warm", add_special_tokens=False)
         StreamParser(self.tokenizer, reasoning_parser=ec.reasoning_parser, chat_template_kwargs=None,
                      prompt_ids=prompt, hold_tool_calls=True).push(prompt, finished=True)
@@ -300,7 +300,7 @@ class TurnRunner(RolloutReads):
         constrained = structured is not None
         # A grammar from the first token (forced call, response_format) leaves no room for a <think>
         # block: the whole output is the answer, not reasoning the parser would assume it is.
-        reasoning_parser = None if grammar_from_start(req, structured) else self.config.engine.reasoning_parser
+        reasoning_parser = None if grammar_from_start(req, structured) else self.config.chat.reasoning_parser
         sampling = self._sampling(req.sampling, req.top_logprobs, structured)
         prefix = self._required_prefix(req.required_prefix_token_ids)
         if rollout_id is None and prefix is None:
@@ -381,7 +381,7 @@ class TurnRunner(RolloutReads):
                json_forced: bool, reasoning_parser: str | None) -> dict[str, Any]:
         if json_forced:
             return parse_forced(self.tokenizer.decode(ids, skip_special_tokens=True), req.tool_choice)
-        ec = self.config.engine
+        ec = self.config.chat
         out = parse_output(ids, tokenizer=self.tokenizer, reasoning_parser=reasoning_parser,
                            tool_parser=ec.tool_parser if parse_tools else None, tools=req.tools,
                            tool_choice=vllm_tool_choice(req) if parse_tools else "auto",
