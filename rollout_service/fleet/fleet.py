@@ -15,10 +15,8 @@ Who talks to it:
   :meth:`end_refit`: no engine joins the serving set while a refit runs, and a replacement only
   joins once it holds the version the refit committed.
 
-Weights of a replacement: the fleet keeps a record of the current version's source — the
-checkpoint directory it was loaded from (the model path at start, the path transport), or a copy
-in the Ray object store owned by this actor (taken from a serving engine after an in-memory refit,
-off the refit's stall), or, lacking both, a live engine streams them at replacement time.
+Weights of a replacement: :mod:`rollout_service.fleet.current_weights`. The Serve apps the fleet
+serves and the processes it kills: :mod:`rollout_service.fleet.lifecycle`.
 """
 
 from __future__ import annotations
@@ -26,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from rollout_service.config import FleetConfig, RolloutServiceConfig
 from rollout_service.fleet.types import FleetView, Member, is_actor_dead
+from rollout_service.fleet.current_weights import CurrentWeights, WeightsRecord, short_error
 from rollout_service.fleet.lifecycle import kill_processes, wait_until_apps_gone
 from rollout_service.fleet.health import SERVING, EngineState, FleetHealth, HealthPolicy
 from rollout_service.metrics import get_metrics
@@ -55,21 +54,11 @@ class _Slot:
     task: asyncio.Task | None = None  # the start / load running for this slot
 
 
-@dataclass
-class _Weights:
-    """Where the current version's weights can be loaded from."""
-
-    version: str
-    path: str | None = None  # a checkpoint directory holding exactly these weights
-    ref: Any = None  # ObjectRef of {"version", "weights"} in the object store, owned by the fleet
-    exporting: asyncio.Task | None = field(default=None, repr=False)
-
-
 def health_policy(fc: FleetConfig) -> HealthPolicy:
     return HealthPolicy(**{k: getattr(fc, k) for k in HealthPolicy.__dataclass_fields__})
 
 
-class EngineFleet:
+class EngineFleet(CurrentWeights):
     def __init__(self, config: RolloutServiceConfig | dict):
         self.config = config if isinstance(config, RolloutServiceConfig) else RolloutServiceConfig.model_validate(config)
         self._init_state()
@@ -85,7 +74,7 @@ class EngineFleet:
         ec = self.config.engine
         self.health = FleetHealth(ec.num_engines, health_policy(self.config.fleet), current_version=BASE_VERSION)
         self.slots = [_Slot() for _ in range(ec.num_engines)]
-        self.weights = _Weights(version=BASE_VERSION, path=ec.resolved_model())
+        self.weights = WeightsRecord(version=BASE_VERSION, path=ec.resolved_model())
         self._changed = asyncio.Condition()
         self._started = False
         self._start_lock = asyncio.Lock()
@@ -270,8 +259,8 @@ class EngineFleet:
                 return await asyncio.wait_for(getattr(m.handle, method).remote(*args, **kwargs), timeout_s)
             except Exception as exc:
                 if is_actor_dead(exc):
-                    await self.report_failure(m.slot, m.generation, _short(exc), True)
-                return {"error": _short(exc)}
+                    await self.report_failure(m.slot, m.generation, short_error(exc), True)
+                return {"error": short_error(exc)}
 
         results = await asyncio.gather(*[one(m) for m in view.members])
         return {m.slot: r for m, r in zip(view.members, results)}
@@ -296,7 +285,7 @@ class EngineFleet:
         checkpoint directory it came from, if any); None: nothing changed."""
         before = self.health.epoch
         if version is not None and version != self.health.current_version:
-            self.weights = _Weights(version=version, path=path)
+            self.weights = WeightsRecord(version=version, path=path)
         if self.health.refitting:
             self._record_refit_end(version)
         self.health.end_refit(version)
@@ -397,7 +386,7 @@ class EngineFleet:
             except (rex.RayActorError, rex.ActorUnavailableError) as exc:
                 self.health.on_probe_failed(slot, generation, f"{type(exc).__name__}: actor died", fatal=True)
             except Exception as exc:  # EngineUnavailable (vLLM engine errored) and the like
-                self.health.on_probe_failed(slot, generation, _short(exc), fatal=True)
+                self.health.on_probe_failed(slot, generation, short_error(exc), fatal=True)
         if self.health.slots[slot].state in (EngineState.DEAD, EngineState.RETIRED) and self.health.is_current(slot, generation):
             self._on_dead(slot, generation)
         await self._publish(before)
@@ -457,8 +446,8 @@ class EngineFleet:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.warning("engine slot %d failed to start: %s", slot, _short(exc))
-            await self._failed(slot, generation, _short(exc))
+            logger.warning("engine slot %d failed to start: %s", slot, short_error(exc))
+            await self._failed(slot, generation, short_error(exc))
             return
         await self._load_current(slot, generation)
 
@@ -468,79 +457,6 @@ class EngineFleet:
         if self.slots[slot].generation == generation:
             self._kill(self.slots[slot])
         await self._publish(before)
-
-    async def _load_current(self, slot: int, generation: int) -> None:
-        """Load the current version into the slot's engine (nothing to do for the model's own weights),
-        label it, and report it loaded: it serves if that is still the current version."""
-        s = self.slots[slot]
-        while self.health.refitting and not self._closing:
-            await asyncio.sleep(0.05)  # a load must not race a refit; the new version comes after it
-        target = self.weights
-        timeout = self.health.policy.start_timeout_s
-        try:
-            if not self.health.is_current(slot, generation) or s.actor is None:
-                return
-            loaded = await asyncio.wait_for(s.actor.weight_version.remote(), 60)
-            if loaded != target.version:
-                source = await self._source_for(target, exclude=slot)
-                actor = s.actor
-                await asyncio.wait_for(actor.stage_weights_from_object_store.remote([source], timeout), timeout)
-                await asyncio.wait_for(actor.collective_rpc.remote("rs_load_staged", timeout=timeout), timeout)
-                await asyncio.wait_for(actor.collective_rpc.remote("rs_commit", timeout=timeout), timeout)
-                await asyncio.wait_for(actor.set_weight_version.remote(target.version), 60)
-                loaded = target.version
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.warning("engine slot %d could not load version %s: %s", slot, target.version, _short(exc))
-            await self._failed(slot, generation, f"loading version {target.version}: {_short(exc)}")
-            return
-        before = self.health.epoch
-        state = self.health.on_loaded(slot, generation, loaded)
-        logger.info("engine slot %d (generation %d) loaded version %s: %s", slot, generation, loaded, state.value)
-        await self._publish(before)
-
-    async def _source_for(self, target: _Weights, exclude: int):
-        """An object ref a replacement stages from: the path, the kept copy, or a live engine's export."""
-        import ray
-
-        if target.path is not None:
-            return ray.put({"path": target.path})
-        if target.exporting is not None and not target.exporting.done():
-            await asyncio.shield(target.exporting)
-        if target.ref is not None:
-            return target.ref
-        for m in self._view().members:
-            if m.slot != exclude:
-                version_ref, weights_ref = self._export(m)
-                if await version_ref == target.version:
-                    return weights_ref
-        raise RuntimeError(f"no source for weight version {target.version}: no checkpoint path, no kept copy, "
-                           "no live engine to stream it from")
-
-    def _export(self, member: Member):
-        """(version ref, weights ref) of a serving engine's weights. Both are return values of a call
-        this actor makes, so this actor owns them: they outlive the engine that produced them."""
-        return member.handle.export_weights.options(num_returns=2).remote(self.health.policy.start_timeout_s)
-
-    def _start_export(self) -> None:
-        """Keep a copy of the current weights in the object store, owned by this actor."""
-        target = self.weights
-
-        async def export():
-            for m in self._view().members:
-                try:
-                    version_ref, weights_ref = self._export(m)
-                    if await version_ref == target.version and self.weights is target:
-                        await _ready(weights_ref)
-                        target.ref = weights_ref
-                        return
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    logger.warning("export of version %s from slot %d failed: %s", target.version, m.slot, _short(exc))
-
-        target.exporting = asyncio.get_running_loop().create_task(export())
 
     # ------------------------------------------------------------------ app watch
     async def _watch_apps(self) -> None:
@@ -554,18 +470,6 @@ class EngineFleet:
             except Exception:
                 pass
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-
-
-async def _ready(ref) -> None:
-    import ray
-
-    await asyncio.to_thread(ray.wait, [ref], num_returns=1, fetch_local=False)
-
-
-def _short(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None) or exc
-    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
-    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:300]
 
 
 def fleet_name(instance_name: str) -> str:
