@@ -371,6 +371,8 @@ class RolloutServiceConfig(_Strict):
         if not old:
             return data
         chat = data.get("chat") or {}
+        if isinstance(chat, BaseModel):
+            chat = chat.model_dump(exclude_unset=True)
         if not isinstance(chat, dict):
             return data
         both = sorted(k for k in old if k in chat)

@@ -881,7 +881,7 @@ def _hop(frames: list[tuple[str, str]]) -> str:
 # Steps a sample belongs to: the first of these found walking its stack from the running frame up
 # (function-name substrings), the containers (``*`` labels' keys in CONTAINERS) only when no step
 # matched. An exclusive partition of the Python samples of a process.
-CONTAINERS = ("TurnRunner.", "RolloutService.", "_Metered.", "_Guard.", "FastAPI.__call__", "_call_http_entrypoint",
+CONTAINERS = ("TurnRunner.", "RolloutService.", "Metered.", "Guard.", "FastAPI.__call__", "_call_http_entrypoint",
               "handle_request", "_run_user_code_event_loop", "main_loop", "proxy_request", "HTTPProxy",
               "RequestIdMiddleware", "RequestResponseCycle", "_run_router_event_loop")
 REPLICA_STEPS = (
@@ -892,13 +892,13 @@ REPLICA_STEPS = (
     ("TurnRunner._generate", "turn: engine call, caller side (Ray actor call)"),
     ("TurnRequest.digest", "turn: request digest"),
     ("TurnRunner.", "turn: other runner code"),
-    ("_counted", "metrics wrappers (_counted / _observed)"),
-    ("_observed", "metrics wrappers (_counted / _observed)"),
+    ("_counted", "metrics wrappers (_counted / observed)"),
+    ("observed", "metrics wrappers (_counted / observed)"),
     ("RolloutService._answer", "answer formatting (dialect response, JSON)"),
     ("RolloutService.", "route handler, other"),
     ("solve_dependencies", "FastAPI: request parse, validation, dependencies"),
-    ("_Metered.", "metrics middleware + FastAPI/Starlette stack"),
-    ("_Guard.", "metrics middleware + FastAPI/Starlette stack"),
+    ("Metered.", "metrics middleware + FastAPI/Starlette stack"),
+    ("Guard.", "metrics middleware + FastAPI/Starlette stack"),
     ("FastAPI.__call__", "metrics middleware + FastAPI/Starlette stack"),
     ("ASGIReceiveProxy", "Serve: request body / disconnect watch (ASGIReceiveProxy)"),
     ("_call_http_entrypoint", "Serve: ASGI wrapper"),

@@ -84,6 +84,17 @@ def test_api_key_is_required_when_configured(service):
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["generation_token_ids"]) >= 1
         assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # probes need no key
+        # Refused before routing or reading a body: any other path, the schema, a wrong method, a huge body.
+        for method, path in (("GET", "/openapi.json"), ("GET", "/no/such/path"), ("PUT", "/v1/chat/completions")):
+            r = httpx.request(method, f"{url}{path}", timeout=60)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path, r.text)
+        r = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (9 << 20), timeout=60)
+        assert r.status_code == 401, r.text
+        schema = httpx.get(f"{url}/openapi.json", headers={"Authorization": "Bearer s3cret"}, timeout=60).json()
+        assert schema["components"]["securitySchemes"]["ApiKey"] == {
+            "type": "http", "scheme": "bearer", "description": schema["components"]["securitySchemes"]["ApiKey"]["description"]}
+        assert {"ApiKey": []} in schema["paths"]["/v1/chat/completions"]["post"]["security"]
+        assert "security" not in schema["paths"]["/health"]["get"]
     finally:
         serve.delete("keyed")
 

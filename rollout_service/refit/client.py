@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import threading
 import time
 import uuid
@@ -171,7 +172,8 @@ class TrainerClient:
         if backend == "nccl":  # pragma: no cover - GPU only
             world = await _aget(controller.weight_sync_world_size.remote(), timeout)
             # vLLM's trainer engine is synchronous: its controller calls block that thread, not the loop.
-            return await asyncio.to_thread(self._init_nccl, host, port, timeout, world, settings.bucket_bytes)
+            return await asyncio.to_thread(_on_callers_device(self._init_nccl), host, port, timeout, world,
+                                           settings.bucket_bytes)
         world = await _aget(controller.weight_sync_world_size.remote(), timeout)
         name, t0 = _group_name(), time.perf_counter()
         ranks_ref = controller.init_weight_sync.remote(host, port, name, timeout)
@@ -243,7 +245,7 @@ class TrainerClient:
             if transport == "collective":
                 if self._nccl is not None:  # pragma: no cover - GPU only
                     previous = await _aget(self.controller.current_version.remote(), 60)
-                    return await asyncio.to_thread(self._refit_nccl, version, params, previous)
+                    return await asyncio.to_thread(_on_callers_device(self._refit_nccl), version, params, previous)
                 bucket = settings.bucket_bytes
                 try:
                     if self._group is not None:  # before any byte is sent: is the group still whole?
@@ -446,7 +448,28 @@ def _sync(coro):
     except RuntimeError:
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+        return pool.submit(_on_callers_device(asyncio.run), coro).result()
+
+
+def _on_callers_device(fn: Callable) -> Callable:
+    """``fn``, to run in another thread on the calling thread's CUDA device: torch's current device is
+    per thread (a new thread starts on device 0), and vLLM's NCCL trainer engine puts its
+    communicator and buffers on the current device. A process that never imported torch has none."""
+    torch = sys.modules.get("torch")
+    device = None
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.cuda.current_device()
+    except Exception:  # pragma: no cover - no usable CUDA
+        device = None
+    if device is None:
+        return fn
+
+    def on_device(*args, **kwargs):
+        torch.cuda.set_device(device)
+        return fn(*args, **kwargs)
+
+    return on_device
 
 
 def _check_transport(transport: str) -> None:

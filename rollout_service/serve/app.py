@@ -53,7 +53,7 @@ from rollout_service.serve.http import (
     STREAMED,
     TURN_ERRORS,
     VIEWER_HEADERS,
-    BodySizeGuard,
+    Guard,
     create_app,
     errors_doc,
     guard_events,
@@ -109,8 +109,8 @@ class RolloutService(ForwardingReplica):
 
     def __init__(self, config: dict[str, Any]):
         self.config = resolve_config(config)
-        fastapi_app.state.api_key = self.config.service.api_key
-        BodySizeGuard.max_bytes = self.config.service.max_request_bytes
+        Guard.api_key = self.config.service.api_key
+        Guard.max_bytes = self.config.service.max_request_bytes
         self.served_name = self.config.engine.resolved_served_name()
         self.model_root = self.config.engine.resolved_model()
         self._runner = None

@@ -1,6 +1,7 @@
-"""The HTTP layer of the data plane, apart from its routes: the ASGI guards (body size, metering),
-the API key as a FastAPI security dependency, the OpenAI error envelope for every error (ours,
-Starlette's, FastAPI's validation), and the OpenAPI schema's error documentation.
+"""The HTTP layer of the data plane, apart from its routes: the ASGI guard (API key, body size) and
+metering, the API key as FastAPI's bearer security scheme (so OpenAPI documents it), the OpenAI
+error envelope for every error (ours, Starlette's, FastAPI's validation), and the OpenAPI schema's
+error documentation.
 
 Errors are raised as :class:`~rollout_service.serve.protocol.openai.ServiceError`, which carries its
 HTTP status and code; this layer only renders them.
@@ -31,10 +32,15 @@ from rollout_service.serve.turn_types import TokenDelta, TurnResult
 logger = logging.getLogger(__name__)
 
 
-class BodySizeGuard:
-    """Pure ASGI middleware: a body over ``max_bytes`` is refused (413) before it is read or parsed,
-    by its declared length or, when chunked, as soon as the bytes received pass the limit."""
+class Guard:
+    """Pure ASGI middleware, before routing and before a body is read or parsed: the API key (every
+    path but ``/health``: 401), then the body size (413, by its declared length or, when chunked, as
+    soon as the bytes received pass the limit).
 
+    Its settings are class attributes set by the deployment: Serve serves a pickled copy of the
+    FastAPI app, which shares classes (pickled by reference) but not the app's ``state``."""
+
+    api_key: str | None = None
     max_bytes: int = 8 * 1024 * 1024
 
     def __init__(self, app):
@@ -43,8 +49,16 @@ class BodySizeGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"content-length"), None)
-        limit = BodySizeGuard.max_bytes
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if path != "/health":
+            refused = key_refused(headers.get("authorization"))
+            if refused is not None:
+                return await _send_error(send, refused)
+        length = headers.get("content-length")
+        limit = Guard.max_bytes
         if length is not None and (not length.isdigit() or int(length) > limit):
             return await _send_error(send, _too_large(limit))
         seen = 0
@@ -62,6 +76,17 @@ class BodySizeGuard:
             return await self.app(scope, counted, send)
         except _BodyTooLarge:
             return await _send_error(send, _too_large(limit))
+
+
+def key_refused(authorization: str | None) -> ServiceError | None:
+    """``Authorization: Bearer <key>`` against the configured key, compared in constant time (no key
+    configured: every call passes)."""
+    expected = Guard.api_key
+    if not expected:
+        return None
+    if secrets.compare_digest((authorization or "").encode("utf-8"), f"Bearer {expected}".encode("utf-8")):
+        return None
+    return ServiceError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
 
 
 class _BodyTooLarge(Exception):
@@ -84,20 +109,11 @@ _BEARER = HTTPBearer(auto_error=False, scheme_name="ApiKey",
                                  "token; required only when the service is configured with one.")
 
 
-def _key_refused(request: Request, authorization: HTTPAuthorizationCredentials | None) -> ServiceError | None:
-    expected = getattr(request.app.state, "api_key", None)
-    if not expected:
-        return None
-    given = authorization.credentials if authorization is not None else ""
-    if secrets.compare_digest(given.encode("utf-8"), expected.encode("utf-8")):
-        return None
-    return ServiceError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
-
-
 async def require_api_key(request: Request, authorization: HTTPAuthorizationCredentials | None = Security(_BEARER)):
-    """The route's security dependency: ``Authorization: Bearer <key>`` compared in constant time
-    with the configured key (``app.state.api_key``; none configured: every call passes)."""
-    refused = _key_refused(request, authorization)
+    """The routes' security dependency, as OpenAPI documents it (FastAPI's bearer scheme). The guard
+    has already refused a call without the key before its body was read; this checks again, at the
+    route, with the same constant-time comparison."""
+    refused = key_refused(request.headers.get("authorization"))
     if refused is not None:
         raise refused
 
@@ -136,7 +152,7 @@ class Metered:
 
 def route_of(scope) -> str:
     """The route's path template (``/v1/rollouts/{rollout_id}``: bounded label values); for a request
-    refused before routing (413) the route it would have reached; ``unmatched`` for none."""
+    refused before routing (401, 413) the route it would have reached; ``unmatched`` for none."""
     path = getattr(scope.get("route"), "path", None)
     if path:
         return path
@@ -243,9 +259,8 @@ def create_app() -> FastAPI:
     app = FastAPI(title="rollout-service", version="0.2.0",
                   description="OpenAI-compatible generations for RL rollouts, exactly on-policy at the token level.",
                   dependencies=[Depends(unicode_body)])
-    app.state.api_key = None  # set by the deployment (require_api_key reads it)
-    app.add_middleware(BodySizeGuard)
-    app.add_middleware(Metered)  # added last: outermost, so refusals by BodySizeGuard are counted too
+    app.add_middleware(Guard)
+    app.add_middleware(Metered)  # added last: outermost, so refusals by the guard are counted too
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
@@ -264,11 +279,6 @@ def create_app() -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        # FastAPI reads and validates the body before it runs the security dependency: a caller
-        # without the key learns nothing about its body.
-        refused = _key_refused(request, await _BEARER(request))
-        if refused is not None:
-            return error_response(refused)
         errors = exc.errors()
         err = errors[0] if errors else {}
         param = _param_of(err.get("loc", ()))
@@ -316,7 +326,6 @@ def unexpected_error(exc: Exception) -> tuple[int, dict[str, Any]]:
     return err.status, err.envelope()
 
 
-# The viewer's page loads nothing and runs nothing: token text is escaped, and this makes sure.
 # The viewer's page loads nothing and runs nothing: token text is escaped, and this makes sure.
 VIEWER_HEADERS = {"content-security-policy": "default-src 'none'; style-src 'unsafe-inline'",
                    "x-content-type-options": "nosniff"}
