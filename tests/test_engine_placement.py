@@ -352,14 +352,21 @@ def tp1():
     return {"engines": out}
 
 
+def hold_every_gpu():
+    """Four TP-4 engines' placement groups take both nodes' 16 GPUs (reserved as the fleet reserves
+    them; no engine actors needed to hold them)."""
+    config = gpu_config(4, 4)
+    return [reserve_engine_placement(config, i, timeout_s=30.0) for i in range(config.num_engines)]
+
+
 def does_not_fit():
     res = {}
-    # Four TP-4 engines take both nodes; a TP-2 engine more has nowhere to go (all 16 GPUs held).
-    out, placements, engines = start_engines(gpu_config(4, 4))
+    # Both nodes held: a TP-2 engine more has nowhere to go.
+    placements = hold_every_gpu()
     try:
         res["full"] = expect_unavailable(gpu_config(1, 2), 1.5)
     finally:
-        stop(placements, engines)
+        stop(placements, [])
     # TP 16 on nodes of 8 GPUs never fits (STRICT_PACK): the raw reservation (logging why while it
     # waits, here after 0.5 s instead of a minute) ...
     import logging
@@ -402,7 +409,7 @@ def abandoned():
     reservation thread goes on, and the group it gets once GPUs free up must be removed, not kept."""
     from rollout_service.fleet.fleet import reserve
 
-    out, placements, engines = start_engines(gpu_config(4, 4))  # every GPU held
+    placements = hold_every_gpu()
 
     async def run():
         task = asyncio.ensure_future(reserve(gpu_config(1, 2), 7, 60.0))
@@ -412,7 +419,7 @@ def abandoned():
             await task
         except asyncio.CancelledError:
             pass
-        stop(placements, engines)  # the GPUs free up: the abandoned group is placed, then removed
+        stop(placements, [])  # the GPUs free up: the abandoned group is placed, then removed
         deadline = time.monotonic() + 30
         while True:
             states = sorted({v["state"] for v in ray.util.placement_group_table().values()})
