@@ -32,7 +32,7 @@ FIXTURE_MARKS = {
 
 # Tests that share a heavy session fixture run back to back, so it can be released right after its
 # last user (runtime_fixtures.release_after_last_user) instead of idling through the rest.
-GROUPED_FIXTURES = ("fleet_rig", "refit_controller")
+GROUPED_FIXTURES = ("fleet_rig", "refit_controller", "prefix_cache_controller")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
@@ -49,8 +49,9 @@ def pytest_collection_modifyitems(config, items):
 def run_order(items: list) -> list:
     """The order the suite runs in: the tests that start nothing first; then the ones that start a
     Ray cluster of their own (in a subprocess), on a machine no session engine competes for; then
-    the ones on the session's Ray, with each fixture of GROUPED_FIXTURES's users moved up to its
-    first user. Otherwise the collection order (stable)."""
+    the session's Ray: each fixture of GROUPED_FIXTURES's users back to back and before the rest, so
+    it is released before the session service starts idling beside it; then the rest. Otherwise
+    the collection order (stable)."""
 
     def kind(item) -> int:
         if item.get_closest_marker("cluster") is None:
@@ -61,18 +62,6 @@ def run_order(items: list) -> list:
     rest = [i for i in items if kind(i) == 2]
     for fixture in GROUPED_FIXTURES:
         users = [i for i in rest if fixture in getattr(i, "fixturenames", ())]
-        if users:
-            first = rest.index(users[0])
-            others = [i for i in rest if fixture not in getattr(i, "fixturenames", ())]
-            rest = others[:first] + users + others[first:]
+        out += users
+        rest = [i for i in rest if fixture not in getattr(i, "fixturenames", ())]
     return out + rest
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
-    """URL of a real redis-server (AOF on) started once per test session on 127.0.0.1.
-
-    Shared by every module: isolate tests by key prefix or rollout id, never FLUSHALL.
-    """
-    with embedded_redis(tmp_path_factory.mktemp("redis")) as server:
-        yield server.url
