@@ -65,3 +65,13 @@ def run_order(items: list) -> list:
         out += users
         rest = [i for i in rest if fixture not in getattr(i, "fixturenames", ())]
     return out + rest
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """URL of a real redis-server (AOF on) started once per test session on 127.0.0.1.
+
+    Shared by every module: isolate tests by key prefix or rollout id, never FLUSHALL.
+    """
+    with embedded_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
