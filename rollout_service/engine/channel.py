@@ -34,11 +34,12 @@ import itertools
 import logging
 import secrets
 import struct
+import sys
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
-from rollout_service.engine.sampling import SamplingOptions
+from rollout_service.engine.sampling import SamplingOptions, SamplingParamsError
 from rollout_service.engine.types import ChannelAddress, EngineCallError, EngineLost, GenerateRequest, GenerationChunk
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,15 @@ def _remote_error(type_name: str, message: str, client_error: bool, parameter: s
     else:
         cause = RuntimeError(f"{type_name}: {message}")
     return EngineCallError(f"the engine raised {type_name}: {message}", cause)
+
+
+def _is_client_error(exc: Exception) -> bool:
+    """The request was refused (a 400 for the data plane), not the engine broken. vLLM's client errors
+    can only come from a process that imported vLLM; the simulated engine never does."""
+    if isinstance(exc, SamplingParamsError):
+        return True
+    vllm_exceptions = sys.modules.get("vllm.exceptions")
+    return vllm_exceptions is not None and isinstance(exc, vllm_exceptions.VLLMClientError)
 
 
 def _frame(encoder: msgspec.msgpack.Encoder, msg: list) -> bytes:
@@ -172,12 +182,9 @@ class ChannelServer:
         except ConnectionError:
             pass
         except Exception as exc:
-            from vllm.exceptions import VLLMClientError
-
-            client_error = isinstance(exc, VLLMClientError)
             with contextlib.suppress(Exception):
-                writer.write(_frame(encoder, ["error", cid, type(exc).__name__, str(exc)[:2000], client_error,
-                                              getattr(exc, "parameter", None)]))
+                writer.write(_frame(encoder, ["error", cid, type(exc).__name__, str(exc)[:2000], _is_client_error(exc),
+                                              getattr(exc, "parameter", None) or getattr(exc, "param", None)]))
         finally:
             calls.pop(cid, None)
 

@@ -408,7 +408,9 @@ def create_engine_actor(
     initial_weight_version: str = "0",
     lifetime: str | None = None,
 ):
-    """Start an :class:`EngineReplica` Ray actor (call ``start`` on it before generating).
+    """Start an :class:`EngineReplica` Ray actor, or a
+    :class:`~rollout_service.engine.simulated.SimulatedEngine` with ``backend: simulated`` (call
+    ``start`` on it before generating).
 
     With ``placement`` (from :func:`rollout_service.fleet.placement.reserve_engine_placement`) the
     actor takes that placement's resources and scheduling strategy: bundle 0 of the engine's own
@@ -438,4 +440,8 @@ def create_engine_actor(
         opts["namespace"] = namespace
     if lifetime:
         opts["lifetime"] = lifetime
+    if config.backend == "simulated":
+        from rollout_service.engine.simulated import SimulatedEngine
+
+        return ray.remote(SimulatedEngine).options(**opts).remote(config, index, initial_weight_version)
     return ray.remote(EngineReplica).options(**opts).remote(config, index, initial_weight_version)

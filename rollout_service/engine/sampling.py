@@ -29,6 +29,9 @@ class SamplingParamsError(ValueError):
         self.param = param
         self.message = message
 
+    def __reduce__(self):  # crosses process boundaries (Ray) with its parameter
+        return type(self), (self.param, self.message)
+
 
 class SamplingOptions(BaseModel):
     """What one generation call may ask of the sampler (OpenAI names, vLLM meanings).

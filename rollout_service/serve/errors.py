@@ -4,11 +4,13 @@ The on-policy core's errors (:mod:`rollout_service.onpolicy.errors`), the store'
 (:mod:`rollout_service.store.base`) and the fleet's (:mod:`rollout_service.fleet.types`) each say
 their HTTP ``status``, ``error_type``, ``code`` and ``param`` where they are defined; this module
 renders them as :class:`ServiceError` and adds nothing. The engine's own refusal of a request is
-vLLM's ``VLLMClientError``, which says which parameter it refused: a 400.
+vLLM's ``VLLMClientError`` (the simulated engine's: a ``SamplingParamsError``), which says which
+parameter it refused: a 400.
 """
 
 from __future__ import annotations
 
+from rollout_service.engine.sampling import SamplingParamsError
 from rollout_service.serve.protocol.openai import ServiceError, bad_request
 
 
@@ -27,12 +29,13 @@ def engine_refusal(exc: BaseException) -> ServiceError | None:
         from vllm.exceptions import VLLMClientError
     except ImportError:  # pragma: no cover - a replica always has vLLM
         return None
-    cause = exc if isinstance(exc, VLLMClientError) else getattr(exc, "cause", None)
-    if not isinstance(cause, VLLMClientError):
+    refusals = (VLLMClientError, SamplingParamsError)  # the latter: the simulated engine's, over Ray
+    cause = exc if isinstance(exc, refusals) else getattr(exc, "cause", None)
+    if not isinstance(cause, refusals):
         return None
     message = " ".join(str(cause.args[0] if cause.args else cause).split())[:500]
-    return bad_request(f"the engine refused the request: {message}", param=getattr(cause, "parameter", None),
-                       code="engine_rejected_request")
+    param = getattr(cause, "parameter", None) or getattr(cause, "param", None)
+    return bad_request(f"the engine refused the request: {message}", param=param, code="engine_rejected_request")
 
 
 def key_reused(key: str) -> ServiceError:
