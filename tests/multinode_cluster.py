@@ -1,7 +1,9 @@
 """Two Ray nodes on one machine: engines placed on the worker node by ``engine.bundle_resources``
 (the placement option deployments/multi-node-gpu.yaml uses), a gloo refit group spanning both
 nodes (trainer on the head), an engine killed on the worker node healed there on the current
-weights. Run as its own process (``python tests/multinode_cluster.py``; it starts and stops its
+weights. The engine is simulated (``engine.backend: simulated``): a real actor process on the
+worker node that joins the gloo group and receives every byte, without a model to load them into
+(the real engine's gloo refit is tests/test_refit.py's). Run as its own process (``python tests/multinode_cluster.py``; it starts and stops its
 own cluster): tests/test_fleet_multinode.py runs it and checks the JSON it prints last.
 """
 
@@ -48,7 +50,7 @@ def main() -> dict:
         head_id = ray.get_runtime_context().get_node_id()
         out["nodes"] = {"head": head_id, "worker": worker.node_id}
         cfg = RolloutServiceConfig.model_validate({
-            "engine": {"model": str(model), "num_engines": 1, "num_cpus_per_engine": 1, "cpu_kvcache_space_gib": 0.125,  # runtime_fixtures.TEST_KV_GIB
+            "engine": {"model": str(model), "num_engines": 1, "num_cpus_per_engine": 1, "backend": "simulated",
                        "bundle_resources": {"engine_node": 0.5}},
             "refit": {"step_timeout_s": 60},
             "fleet": {"probe_interval_s": 0.5, "probe_timeout_s": 3, "unresponsive_after_s": 6},

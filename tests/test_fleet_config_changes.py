@@ -1,5 +1,7 @@
 """Redeploying with a different engine config restarts the engines on it (never silently keeps the
-old ones), and deleting the Serve app stops the engines and the fleet."""
+old ones), and deleting the Serve app stops the engines and the fleet. The app's engines are
+simulated (``engine.backend: simulated``): real Ray actors and processes with the engine's
+interfaces, started in a second instead of ~20 s."""
 
 from __future__ import annotations
 
@@ -42,8 +44,10 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
 
     def config(max_num_seqs: int) -> RolloutServiceConfig:
         return RolloutServiceConfig.model_validate({
+            # Simulated engines: what is tested is the fleet's and the app's life cycle (restart on a
+            # new engine config, stop with the app); the real engine's start is the session service's.
             "engine": {"model": str(tiny_model_dir), "max_num_seqs": max_num_seqs, "num_cpus_per_engine": 0,
-                       "cpu_kvcache_space_gib": TEST_KV_GIB},
+                       "cpu_kvcache_space_gib": TEST_KV_GIB, "backend": "simulated"},
             "store": {"redis_url": redis_server, "key_prefix": APP},
             "service": {"instance_name": APP, "num_affinity_replicas": 1},
             "fleet": {"app_watch_interval_s": 1.0},

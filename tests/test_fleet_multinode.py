@@ -1,6 +1,7 @@
 """Multi-node, for real: two Ray nodes (a separate cluster, in a subprocess), engines placed on the
 worker node by ``bundle_resources``, a gloo refit group spanning both nodes, an engine killed on the
-worker node healed there on the current weights (tests/multinode_cluster.py does the work)."""
+worker node healed there on the current weights (tests/multinode_cluster.py does the work, on a
+simulated engine: the placement, the group and the heal are the fleet's and the controller's)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.cluster
-@pytest.mark.engine  # its own two-node cluster, in a subprocess
 def test_engine_on_the_worker_node_refits_across_nodes_and_heals_there():
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     proc = subprocess.run([sys.executable, str(HERE / "multinode_cluster.py")], capture_output=True, text=True,
