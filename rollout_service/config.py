@@ -331,6 +331,20 @@ class FleetConfig(_Strict):
     )
 
 
+class RoutingConfig(_Strict):
+    """Which engine serves a rollout's turn (rollout_service/fleet/routing.py)."""
+
+    policy: Literal["sticky_least_loaded", "sticky", "least_loaded"] = Field(
+        "sticky_least_loaded",
+        description="sticky_least_loaded: a rollout stays on its engine while that engine's load is within "
+        "`load_margin` requests of the least loaded engine's, else its pin moves there (routes as least_loaded when "
+        "engine.enable_prefix_caching is off: affinity then buys nothing). sticky: stays until its engine leaves the "
+        "serving set. least_loaded: every turn to the least loaded engine.")
+    load_margin: int = Field(
+        16, ge=0, description="sticky_least_loaded: requests in flight a rollout's engine may carry beyond the least "
+        "loaded engine before the rollout moves.")
+
+
 class RefitConfig(_Strict):
     backend: Literal["gloo", "nccl"] = Field(
         "gloo",
@@ -371,6 +385,7 @@ class RolloutServiceConfig(_Strict):
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     refit: RefitConfig = Field(default_factory=RefitConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "RolloutServiceConfig":

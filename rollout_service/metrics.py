@@ -124,6 +124,8 @@ METRICS: tuple[MetricDef, ...] = (
        ("fleet", "state"), source="fleet"),
     _m("engine_replacements_total", "counter", "Engine replacements the fleet started (dead or hung engines).",
        ("fleet",), source="fleet"),
+    _m("engine_pin_moves_total", "counter", "Rollouts moved off a live engine by routing.policy "
+       "sticky_least_loaded (its engine was more than routing.load_margin requests above the least loaded).", ()),
     _m("weight_version", "gauge", "Info-style: 1 with the weight version the fleet serves as label `version`.",
        ("fleet", "version"), source="fleet"),
     # ---- refit controller
@@ -359,6 +361,9 @@ class ServiceMetrics:
             counts[s] = counts.get(s, 0) + 1
         for state, n in counts.items():
             self._gauge("rollout_service_engines", n, fleet, state)
+
+    def pin_moved(self) -> None:
+        self.series("rollout_service_engine_pin_moves_total").record(1)
 
     def engine_replaced(self, fleet: str) -> None:
         self.series("rollout_service_engine_replacements_total", fleet).record(1)

@@ -1,6 +1,8 @@
-"""The data plane's routing over the fleet's serving set (FleetClient): pins, least loaded across
-the fleet, moving a pin off a lost engine, avoiding an engine seen failing. Pure (no Ray): the
-routing decisions only read the FleetView; the fault tests run it against real engines."""
+"""The data plane's routing over the fleet's serving set (FleetClient and routing.policy): pins,
+least loaded across the fleet, the sticky_least_loaded margin and its pin moves, the automatic
+least-loaded choice without prefix caching, moving a pin off a lost engine, avoiding an engine seen
+failing. Pure (no Ray): the routing decisions only read the FleetView; the fault tests run it
+against real engines."""
 
 from __future__ import annotations
 
@@ -9,12 +11,25 @@ import pickle
 import pytest
 
 from rollout_service.fleet.client import FleetClient
+from rollout_service.fleet.routing import LeastLoaded, Sticky, StickyLeastLoaded, effective_policy, make_policy
 from rollout_service.fleet.types import FleetView, Member, NoEngineAvailable
 
 
 class FakeFleet:
     def __init__(self):
         self.reports = []
+        self.pin_moves = 0
+
+    @property
+    def count_pin_move(self):
+        outer = self
+
+        class Remote:
+            @staticmethod
+            def remote():
+                outer.pin_moves += 1
+
+        return Remote
 
     @property
     def report_failure(self):
@@ -77,3 +92,70 @@ def test_the_client_is_pickle_safe_and_ships_its_view_not_its_local_state():
     client.pins["a"] = (0, 0)
     clone = pickle.loads(pickle.dumps(client))
     assert clone.view.epoch == 7 and clone.fleet == "fleet-handle" and not clone.pins
+
+
+def _loaded(client, member, n):
+    for _ in range(n):
+        client.acquire(member)
+
+
+def test_sticky_least_loaded_keeps_a_pin_within_the_margin_and_moves_it_past():
+    e0, e1 = Member(0, 0, "e0", load=0), Member(1, 0, "e1", load=0)
+    client = FleetClient(FakeFleet(), view(1, e0, e1), policy=StickyLeastLoaded(margin=3))
+    assert client.route("a").member.slot == 0
+    _loaded(client, e0, 3)  # 3 above the least loaded: within the margin
+    assert client.route("a") .member.slot == 0 and not client.route("a").moved
+    _loaded(client, e0, 1)  # 4 above: past it
+    moved = client.route("a")
+    assert (moved.member.slot, moved.moved) == (1, True) and client.pins["a"] == (1, 0)
+    assert client.pin_moves == 1
+    assert client.route("a").member.slot == 1 and not client.route("a").moved  # pinned where it moved
+    # The fleet's figure counts as this process's own calls do (the same in every replica).
+    client._set_view(view(2, Member(0, 0, "e0", load=0), Member(1, 0, "e1", load=20)))
+    client.outstanding.clear()
+    assert client.route("a").member.slot == 0 and client.pin_moves == 2
+
+
+def test_sticky_never_moves_a_pin_off_a_live_engine_and_least_loaded_keeps_none():
+    e0, e1 = Member(0, 0, "e0"), Member(1, 0, "e1")
+    sticky = FleetClient(FakeFleet(), view(1, e0, e1), policy=Sticky())
+    assert sticky.route("a").member.slot == 0
+    _loaded(sticky, e0, 100)
+    assert sticky.route("a").member.slot == 0 and sticky.pin_moves == 0
+    free = FleetClient(FakeFleet(), view(1, e0, e1), policy=LeastLoaded())
+    assert free.route("a").member.slot == 0
+    _loaded(free, e0, 1)
+    assert free.route("a").member.slot == 1 and not free.pins and free.pin_moves == 0
+
+
+def test_without_prefix_caching_the_default_routes_as_least_loaded():
+    assert isinstance(make_policy("sticky_least_loaded", load_margin=4, prefix_caching=False), LeastLoaded)
+    assert effective_policy("sticky_least_loaded", False) == "least_loaded"
+    cached = make_policy("sticky_least_loaded", load_margin=4, prefix_caching=True)
+    assert isinstance(cached, StickyLeastLoaded) and cached.margin == 4
+    assert isinstance(make_policy("sticky", load_margin=4, prefix_caching=False), Sticky)  # asked for: kept
+    with pytest.raises(ValueError, match="routing.policy"):
+        make_policy("round_robin", load_margin=4, prefix_caching=True)
+
+
+async def test_a_moved_pin_is_named_on_the_route_the_call_took_and_reported_to_the_fleet():
+    """generate_with_failover hands the route of each attempt to its caller (the turn records it)."""
+    from rollout_service.engine.sampling import SamplingOptions
+    from rollout_service.engine.types import GenerateRequest, GenerationChunk
+
+    e0, e1 = Member(0, 0, "e0"), Member(1, 0, "e1")
+    fleet = FakeFleet()
+    client = FleetClient(fleet, view(1, e0, e1), policy=StickyLeastLoaded(margin=0))
+    client.pins["a"] = (0, 0)
+    client.acquire(e0)
+
+    async def one_chunk(member, request, stream):
+        yield GenerationChunk(token_ids=[1], logprobs=[-0.1], finish_reason="length", engine_index=member.slot)
+
+    client.generate = one_chunk
+    routed = []
+    request = GenerateRequest(prompt_ids=[1, 2], sampling=SamplingOptions(), max_tokens=1)
+    chunks = [c async for c in client.generate_with_failover("a", request, False, routed=routed)]
+    assert chunks[0].engine_index == 1 and [(r.member.slot, r.moved) for r in routed] == [(1, True)]
+    client.report_pin_move()
+    assert fleet.pin_moves == 1

@@ -217,28 +217,38 @@ def _next_messages(state, rid: str, user: str) -> list[dict]:
     return msgs
 
 
-async def _forwarded_turn_while_paused(service, url: str, pause_s: float, attempts: int = 12):
-    """A rollout's next turns, sent with X-Session-ID while every engine is paused (keep) for
-    ``pause_s``, until one arrives at a replica that does not own the rollout and is forwarded (each
-    arrives at either replica); returns that response and the rollout's state (checked by the caller)."""
+async def _forwarded_turn_while_paused(service, url: str, pause_s: float, rollouts: int = 4, attempts: int = 6):
+    """The next turn of each of ``rollouts`` rollouts, sent at once with X-Session-ID while every
+    engine is paused (keep) for ``pause_s``, until one arrives at a replica that does not own its
+    rollout and is forwarded (each arrives at either replica: with 4 rollouts a round forwards none
+    1 time in 16); returns that response, its rollout's owner, and every rollout's state (checked by
+    the caller)."""
     engines = _engine_handles(service)
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        rid, state, owner = await _started_rollout(client, "quiet")
+        started = [await _started_rollout(client, "quiet") for _ in range(rollouts)]
+        owners = {rid: owner for rid, _, owner in started}
+        state = {rid: st[rid] for rid, st, _ in started}
         for turn in range(2, 2 + attempts):
-            body = {"model": MODEL, "messages": _next_messages(state, rid, f"turn {turn}"), "max_tokens": 4,
-                    "seed": turn}
+            bodies = {rid: {"model": MODEL, "messages": _next_messages(state, rid, f"turn {turn}"), "max_tokens": 4,
+                            "seed": turn} for rid in state}
             with _engines_paused(engines):
-                call = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": rid}))
+                calls = {rid: asyncio.create_task(client.post("/v1/chat/completions", json=body,
+                                                              headers={"X-Session-ID": rid}))
+                         for rid, body in bodies.items()}
                 await asyncio.sleep(pause_s)
-                assert not call.done(), "a turn was answered while every engine was paused"
-            r = await call
-            assert r.status_code == 200, r.text
-            message = r.json()["choices"][0]["message"]
-            assert message["rollout"]["turn"] == turn and message["rollout"]["monotonic"], message["rollout"]
-            state[rid]["calls"].append(message)
-            if r.headers["x-rollout-replica"] != owner:
-                return r, owner, state
-    raise AssertionError(f"none of {attempts} turns arrived at the replica that does not own {rid}")
+                assert not any(c.done() for c in calls.values()), "a turn was answered while every engine was paused"
+            forwarded = None
+            for rid, call in calls.items():
+                r = await call
+                assert r.status_code == 200, r.text
+                message = r.json()["choices"][0]["message"]
+                assert message["rollout"]["turn"] == turn and message["rollout"]["monotonic"], message["rollout"]
+                state[rid]["calls"].append(message)
+                if r.headers["x-rollout-replica"] != owners[rid] and forwarded is None:
+                    forwarded = (r, owners[rid])
+            if forwarded is not None:
+                return (*forwarded, state)
+    raise AssertionError(f"none of {attempts} rounds of turns arrived at a replica that does not own its rollout")
 
 
 async def test_a_forwarded_turn_kept_quiet_by_a_paused_engine_is_kept_alive_by_heartbeats(service):

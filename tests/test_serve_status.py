@@ -53,6 +53,10 @@ def _status(http) -> dict:
 def test_status_reports_the_engines_and_counts_stored_rollouts_exactly(http, service):
     before = _status(http)
     assert before["object"] == "service.status" and before["model"] == MODEL and before["errors"] == {}
+    assert before["backend"] == "vllm"
+    # The default policy without prefix caching (the parity default) routes as least_loaded.
+    assert before["routing"] == {"policy": "least_loaded", "configured": "sticky_least_loaded",
+                                 "load_margin": service.config.routing.load_margin, "pin_moves": 0}
     assert [e["slot"] for e in before["engines"]] == list(range(service.config.engine.num_engines))
     for e in before["engines"]:
         assert e["state"] == "healthy" and e["weight_version"] == before["weight_version"]
@@ -109,6 +113,7 @@ def test_the_status_command_prints_a_table_and_json(http, service):
     rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] == ["0"]]
     assert rows and rows[0][1] == "healthy" and rows[0][2] == status["weight_version"]
     assert "last refit:" in out and "stored rollouts:" in out and "(key prefix svc)" in out
+    assert "engines: vllm backend; routing least_loaded (configured sticky_least_loaded), 0 pin moves" in out
 
     as_json = _cli("--url", service.url, "--json")
     assert as_json.returncode == 0, as_json.stderr

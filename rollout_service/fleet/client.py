@@ -2,9 +2,10 @@
 
 A :class:`FleetClient` is small and pickle-safe (the fleet handle, the last :class:`FleetView`, the
 policy), so it can be shipped to any Ray actor or Serve replica. In a process that routes turns it
-keeps the view fresh with a long poll on the fleet (a changed epoch answers at once), pins each
-rollout to one engine, and moves a pin whose engine left the serving set to the least loaded live
-engine. It never pauses, loads or labels anything: that is the control plane's business.
+keeps the view fresh with a long poll on the fleet (a changed epoch answers at once) and routes
+each call by the policy (:mod:`rollout_service.fleet.routing`): pinned to its rollout's engine,
+moved off it when that engine left the serving set (or, sticky_least_loaded, carries too much
+more than the least loaded). It never pauses, loads or labels anything: that is the control plane's business.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator
 
 from rollout_service.engine.channel import EngineChannel
 from rollout_service.engine.types import GenerateRequest
+from rollout_service.fleet.routing import Route, RoutingPolicy, Sticky
 from rollout_service.fleet.types import (
     EngineLostDuringCall,
     FleetView,
@@ -32,24 +34,12 @@ from rollout_service.fleet.types import (
 logger = logging.getLogger(__name__)
 
 
-class RoutingPolicy(Protocol):
-    def choose(self, members: tuple[Member, ...], outstanding: dict[tuple[int, int], int]) -> Member: ...
-
-
-class LeastLoaded:
-    """The member with the fewest requests: its load at the fleet's last probe (every caller's
-    requests) plus this process's own calls started on it since. Ties go to the lowest slot."""
-
-    def choose(self, members, outstanding):
-        return min(members, key=lambda m: (m.load + outstanding.get(m.key, 0), m.slot))
-
-
 class FleetClient:
     def __init__(self, fleet, view: FleetView | None = None, policy: RoutingPolicy | None = None,
                  max_pins: int = 100_000, poll_s: float = 2.0):
         self.fleet = fleet
         self.view = view
-        self.policy = policy or LeastLoaded()
+        self.policy = policy or Sticky()
         self.max_pins = max_pins
         self.poll_s = poll_s
         self.pins: OrderedDict[str, tuple[int, int]] = OrderedDict()
@@ -60,6 +50,7 @@ class FleetClient:
         self.avoid_lost_s = 10.0
         self._watch: asyncio.Task | None = None
         self.channels: dict[tuple[int, int], Any] = {}  # member key -> engine.channel.EngineChannel (this process)
+        self.pin_moves = 0  # rollouts this process moved off a live engine (routing.policy)
 
     def __getstate__(self):
         return {"fleet": self.fleet, "view": self.view, "policy": self.policy, "max_pins": self.max_pins,
@@ -116,24 +107,27 @@ class FleetClient:
         return tuple(m for m in self.view.members if self.lost.get(m.key, 0.0) <= now)
 
     def pick(self, rollout_id: str | None) -> Member:
-        """The rollout's pinned engine if it still serves, else the policy's choice (and pin it)."""
+        return self.route(rollout_id).member
+
+    def route(self, rollout_id: str | None) -> Route:
+        """The policy's choice for the rollout's next call (:mod:`rollout_service.fleet.routing`):
+        given its pinned engine if that still serves; the choice is pinned (policies that pin)."""
         members = self.members()
         if not members:
             raise NoEngineAvailable("no engine replica is serving (the fleet is replacing it)")
-        if rollout_id is not None:
+        pinned = None
+        if rollout_id is not None and self.policy.pins:
             key = self.pins.get(rollout_id)
-            if key is not None:
-                for m in members:
-                    if m.key == key:
-                        self.pins.move_to_end(rollout_id)
-                        return m
-        chosen = self.policy.choose(members, self.outstanding)
-        if rollout_id is not None:
-            self.pins[rollout_id] = chosen.key
+            pinned = next((m for m in members if m.key == key), None) if key is not None else None
+        route = self.policy.choose(members, self.outstanding, pinned)
+        if rollout_id is not None and self.policy.pins:
+            self.pins[rollout_id] = route.member.key
             self.pins.move_to_end(rollout_id)
             if len(self.pins) > self.max_pins:
                 self.pins.popitem(last=False)
-        return chosen
+        if route.moved:
+            self.pin_moves += 1
+        return route
 
     def acquire(self, member: Member) -> None:
         self.outstanding[member.key] = self.outstanding.get(member.key, 0) + 1
@@ -147,7 +141,7 @@ class FleetClient:
 
     # ------------------------------------------------------------------ generation
     async def generate_with_failover(self, rollout_id: str | None, request: GenerateRequest,
-                                     stream: bool) -> AsyncIterator:
+                                     stream: bool, routed: list[Route] | None = None) -> AsyncIterator:
         """``request`` on the rollout's pinned engine (pinned at its first call to the least loaded one).
 
         An engine that dies (killed, crashed, or declared hung and killed by the fleet) before the
@@ -155,10 +149,14 @@ class FleetClient:
         engine from the same prompt ids, each live engine at most once (a non-streaming call passes
         nothing on until it is done). Once tokens were passed on, :class:`EngineLostDuringCall`.
         No engine serving: :class:`NoEngineAvailable`. Any other error of the call is raised as is.
+        ``routed``, if given, gets the :class:`Route` of every attempt.
         """
         attempts = max(2, len(self.members()))  # each live engine once; at least one retry
         for attempt in range(attempts):
-            member = self.pick(rollout_id)
+            route = self.route(rollout_id)
+            member = route.member
+            if routed is not None:
+                routed.append(route)
             if attempt:
                 request = replace(request, request_id=uuid.uuid4().hex)
             produced = False
@@ -216,6 +214,13 @@ class FleetClient:
         for channel in self.channels.values():
             channel.close()
         self.channels.clear()
+
+    def report_pin_move(self) -> None:
+        """Tell the fleet a rollout moved off a live engine (it counts them for the status)."""
+        try:
+            self.fleet.count_pin_move.remote()
+        except Exception:  # the fleet restarting: a count is not worth an error
+            pass
 
     def report_lost(self, member: Member, error: BaseException) -> None:
         """A call on ``member`` failed as if the engine were dead: stop routing to it here and tell

@@ -69,6 +69,7 @@ class EngineFleet(CurrentWeights):
         # The last refit bracket, for operators (``stats()``, ``GET /v1/status``); kept across restarts.
         self._last_refit: dict[str, Any] | None = None
         self._refits = {"committed": 0, "not_committed": 0}
+        self._pin_moves = 0  # rollouts the data plane moved off a live engine (routing.policy)
 
     def _init_state(self) -> None:
         ec = self.config.engine
@@ -324,7 +325,13 @@ class EngineFleet(CurrentWeights):
             "apps": sorted(self._apps),
             "last_refit": dict(self._last_refit) if self._last_refit else None,
             "refits": dict(self._refits),
+            "backend": self.config.engine.backend,
+            "pin_moves": self._pin_moves,
         }
+
+    def count_pin_move(self) -> None:
+        """A data-plane process moved a rollout off a live engine (routing.policy)."""
+        self._pin_moves += 1
 
     def engine_config(self) -> dict:
         return self.config.engine.model_dump()

@@ -64,6 +64,10 @@ def format_status(status: dict, url: str) -> str:
     lines = [f"rollout-service at {url}: model {cell(status.get('model'))}, weight version "
              f"{cell(status.get('weight_version'))}, fleet epoch {cell(status.get('fleet_epoch'))}"
              + (", refit running" if status.get("refitting") else "")]
+    routing = status.get("routing") or {}
+    if status.get("backend") or routing:
+        lines.append(f"engines: {cell(status.get('backend'))} backend; routing {cell(routing.get('policy'))} "
+                     f"(configured {cell(routing.get('configured'))}), {cell(routing.get('pin_moves'))} pin moves")
     header = ("ENGINE", "STATE", "VERSION", "IN FLIGHT", "GENERATION", "REPLACEMENTS", "LAST ERROR")
     rows = [tuple(cell(e.get(k)) for k in ("slot", "state", "weight_version", "in_flight", "generation",
                                             "replacements", "last_error")) for e in status.get("engines", [])]

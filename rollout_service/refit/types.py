@@ -39,8 +39,18 @@ class RefitReport:
     def transfer_gbps(self) -> float:
         return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else float("nan")
 
+    @property
+    def stall_s(self) -> float:
+        """The engines' stall: pause start to resume done (``total_s``)."""
+        return self.total_s
+
+    @property
+    def control_s(self) -> float:
+        """The stall less the weights' own time (transfer and load): the control fan-out's cost."""
+        return max(0.0, self.total_s - self.transfer_s - self.load_s)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "stall_s": self.stall_s, "control_s": self.control_s}
 
 
 class RefitInProgress(RuntimeError):

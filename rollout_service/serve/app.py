@@ -38,6 +38,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from rollout_service.config import RolloutServiceConfig
+from rollout_service.fleet.routing import effective_policy, make_policy
 from rollout_service.serve.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -153,7 +154,10 @@ class RolloutService(ForwardingReplica):
                 await fleet.start.remote()
                 tokenizer = AutoTokenizer.from_pretrained(self.config.engine.resolved_model())
                 store = _cached(RedisRolloutStore.from_config(self.config.store), self.config.service.state_cache_rollouts)
-                runner = TurnRunner(self.config, await connect(fleet), store, tokenizer)
+                routing = self.config.routing
+                policy = make_policy(routing.policy, load_margin=routing.load_margin,
+                                     prefix_caching=self.config.engine.enable_prefix_caching)
+                runner = TurnRunner(self.config, await connect(fleet, policy=policy), store, tokenizer)
                 try:
                     await asyncio.to_thread(runner.warm)
                 except Exception:  # a cold first call is slower, not wrong
@@ -282,7 +286,10 @@ class RolloutService(ForwardingReplica):
         return JSONResponse({
             "object": "service.status", "model": self.served_name, "replica": self.replica_id,
             "weight_version": fleet.get("weight_version"), "fleet_epoch": fleet.get("epoch"),
-            "refitting": fleet.get("refitting"), "engines": engines,
+            "refitting": fleet.get("refitting"), "engines": engines, "backend": self.config.engine.backend,
+            "routing": {"policy": effective_policy(self.config.routing.policy, self.config.engine.enable_prefix_caching),
+                        "configured": self.config.routing.policy, "load_margin": self.config.routing.load_margin,
+                        "pin_moves": fleet.get("pin_moves")},
             "last_refit": fleet.get("last_refit"), "refits": fleet.get("refits"),
             "rollouts": {"stored": stored, "key_prefix": self.config.store.key_prefix,
                          "in_flight_on_replica": len(runner.in_flight)},

@@ -324,7 +324,8 @@ class TurnRunner(RolloutReads):
         tops: list[dict[int, float]] = []
         final_chunk = None
         prompt_sent = False
-        chunks = self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=req.stream)
+        routed: list = []  # fleet.routing.Route of each attempt
+        chunks = self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=req.stream, routed=routed)
         if constrained:
             chunks = name_the_grammar(chunks, req)
         async for chunk in chunks:
@@ -366,7 +367,9 @@ class TurnRunner(RolloutReads):
             top_logprobs=tops or None, finish_reason=finish_reason, stop_reason=final_chunk.stop_reason, message=message,
             weight_versions=[{"version": v, "start": s, "end": e} for v, s, e in (final_chunk.weight_versions or [])],
             rollout={"id": rollout_id, "turn": delta.turn, "segment": delta.segment_index, "monotonic": plan.monotonic,
-                     "constrained": constrained, "replayed": False} if rollout_id is not None else None,
+                     "constrained": constrained, "replayed": False,
+                     **({"engine_moved": True} if any(r.moved for r in routed) else {})}
+            if rollout_id is not None else None,
             engine_index=final_chunk.engine_index,
             token_strs=self.token_strs(ids, tops) if req.want_token_strs else None,
         )
@@ -428,12 +431,14 @@ class TurnRunner(RolloutReads):
         )
 
     # ------------------------------------------------------------------ engine
-    async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True):
+    async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True, routed=None):
         """Generate on the rollout's engine, failing over to another engine while nothing was passed
         on (:meth:`FleetClient.generate_with_failover`). Streaming calls get the engine's chunks as
-        they come; a non-streaming call is one round trip."""
+        they come; a non-streaming call is one round trip. ``routed`` gets each attempt's route; a
+        pin moved by the routing policy is counted here and at the fleet."""
         request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens)
-        chunks = self.fleet.generate_with_failover(rollout_id, request, stream)
+        routed = [] if routed is None else routed
+        chunks = self.fleet.generate_with_failover(rollout_id, request, stream, routed=routed)
         try:
             async for chunk in chunks:
                 yield chunk
@@ -446,6 +451,9 @@ class TurnRunner(RolloutReads):
             raise
         finally:
             await chunks.aclose()
+            if any(r.moved for r in routed):
+                get_metrics().pin_moved()
+                self.fleet.report_pin_move()
 
 
 
