@@ -322,6 +322,11 @@ class FleetConfig(_Strict):
         description="How often the fleet checks that a Serve app it serves still exists; once every one is gone "
         "for three checks in a row (`serve delete`, `serve shutdown`), it stops its engines and itself.",
     )
+    resume_unbracketed_pause_s: float = Field(
+        30.0, gt=0,
+        description="An engine the fleet's probes find paused for this long while no refit runs is resumed (a "
+        "refit's pause that landed after its controller died or gave up would otherwise hold its calls forever).",
+    )
     keep_weights_copy: bool = Field(
         True,
         description="After a refit whose weights came from memory (collective, object store), keep one copy in "

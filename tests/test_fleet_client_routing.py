@@ -159,3 +159,60 @@ async def test_a_moved_pin_is_named_on_the_route_the_call_took_and_reported_to_t
     assert chunks[0].engine_index == 1 and [(r.member.slot, r.moved) for r in routed] == [(1, True)]
     client.report_pin_move()
     assert fleet.pin_moves == 1
+
+
+async def test_a_failing_fleet_is_reported_a_restarted_one_reattaches_and_a_dead_one_is_resolved_again():
+    """What /health and the app's re-attachment read: the last refresh's error, the new
+    incarnation's callbacks, and ``resolve`` for a fleet actor dead for good."""
+    import asyncio
+
+    import ray.exceptions as rex
+
+    class Fleet:
+        def __init__(self, answers):
+            self.answers = answers
+
+        @property
+        def view(self):
+            outer = self
+
+            class Remote:
+                @staticmethod
+                async def remote(*args):
+                    await asyncio.sleep(0.005)  # a long poll waits
+                    answer = outer.answers.pop(0) if len(outer.answers) > 1 else outer.answers[0]  # the last repeats
+                    if isinstance(answer, BaseException):
+                        raise answer
+                    return answer
+
+            return Remote
+
+    dead = rex.ActorDiedError()
+    first = Fleet([FleetView(1, "v", (Member(0, 0, "e0"),), incarnation="a"), dead])
+    second = Fleet([FleetView(900, "v", (Member(0, 0, "e0"),), incarnation="b")])
+    client = FleetClient(first, resolve=lambda: second)
+    restarted = []
+
+    async def on_restart():
+        restarted.append(client.view.incarnation)
+
+    client.on_fleet_restart.append(on_restart)
+    await client.refresh()
+    assert client.fleet_error is None
+    client.poll_s = 0.01
+    client.start_watching()
+    try:
+        for _ in range(100):  # the watch loop: the dead fleet's error is recorded, then resolved again
+            await asyncio.sleep(0.005)
+            if client.fleet_error:
+                break
+        assert "ActorDiedError" in client.fleet_error
+        assert [m.slot for m in client.members()] == [0]  # the last view keeps routing meanwhile
+        for _ in range(400):
+            await asyncio.sleep(0.005)
+            if restarted:
+                break
+        assert client.fleet is second and client.fleet_error is None
+        assert restarted == ["b"] and client.view.epoch == 900
+    finally:
+        client.stop_watching()

@@ -226,3 +226,15 @@ def test_epoch_changes_only_when_the_serving_set_changes(clock):
     assert h.epoch == e
     h.on_probe_failed(0, 0, "gone", fatal=True)
     assert h.epoch == e + 1
+
+
+def test_an_adopted_engine_serves_on_the_current_version_and_is_stale_on_another(clock):
+    """A restarted fleet takes over live engines with their generations (EngineFleet._adopt)."""
+    h = FleetHealth(3, POLICY, clock=clock, current_version="v7")
+    assert h.on_adopted(0, 4, "v7") is S.HEALTHY and h.slots[0].generation == 4
+    assert h.on_adopted(1, 0, "v6") is S.STALE
+    assert h.serving() == [0] and h.slots[2].state is S.STARTING
+    assert h.on_probe_ok(0, 3) is S.HEALTHY and h.slots[0].generation == 4  # an older generation's answer: ignored
+    clock.advance(20)
+    assert h.on_probe_failed(0, 4, "x", fatal=True) is S.DEAD  # and it is replaced like any engine
+    assert h.on_replacement_started(0) == 5

@@ -351,6 +351,10 @@ class EngineReplica:
     def tokenizer_path(self) -> str:
         return self.config.resolved_model()
 
+    def engine_config(self) -> dict[str, Any]:
+        """The config this engine runs (a restarted fleet adopting it takes it over)."""
+        return self.config.model_dump()
+
 
 def _sampled_logprobs(ids: list[int], logprobs, want_top: int):
     """The sampled token's processed logprob per position, plus the top-k alternatives if asked."""

@@ -559,3 +559,7 @@ class SimulatedEngine:
 
     def tokenizer_path(self) -> str:
         return self.config.resolved_model()
+
+    def engine_config(self) -> dict[str, Any]:
+        """The config this engine runs (a restarted fleet adopting it takes it over)."""
+        return self.config.model_dump()

@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 class FleetClient:
     def __init__(self, fleet, view: FleetView | None = None, policy: RoutingPolicy | None = None,
-                 max_pins: int = 100_000, poll_s: float = 2.0):
+                 max_pins: int = 100_000, poll_s: float = 2.0, resolve: Any = None):
         self.fleet = fleet
+        self.resolve = resolve  # () -> a fleet handle: called when the fleet actor is dead for good
         self.view = view
         self.policy = policy or Sticky()
         self.max_pins = max_pins
@@ -51,10 +52,14 @@ class FleetClient:
         self._watch: asyncio.Task | None = None
         self.channels: dict[tuple[int, int], Any] = {}  # member key -> engine.channel.EngineChannel (this process)
         self.pin_moves = 0  # rollouts this process moved off a live engine (routing.policy)
+        # The fleet actor as this process last saw it: the error of the last failed refresh (None:
+        # the last one answered), and callbacks run when a restarted fleet answers (a new incarnation).
+        self.fleet_error: str | None = None
+        self.on_fleet_restart: list[Any] = []
 
     def __getstate__(self):
         return {"fleet": self.fleet, "view": self.view, "policy": self.policy, "max_pins": self.max_pins,
-                "poll_s": self.poll_s}
+                "poll_s": self.poll_s, "resolve": self.resolve}
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -69,7 +74,15 @@ class FleetClient:
     def _set_view(self, view: FleetView) -> None:
         if self.view is not None and view.epoch != self.view.epoch:
             logger.info("fleet epoch %d -> %d: %d engine(s) serving", self.view.epoch, view.epoch, len(view.members))
+        restarted = (self.view is not None and self.view.incarnation is not None
+                     and view.incarnation not in (None, self.view.incarnation))
         self.view = view
+        self.fleet_error = None
+        if restarted:
+            logger.warning("the fleet actor restarted (incarnation %s): %d engine(s) serving", view.incarnation,
+                           len(view.members))
+            for callback in self.on_fleet_restart:
+                _background(callback())
         live = {m.key for m in view.members}
         now = time.monotonic()
         self.lost = {k: t for k, t in self.lost.items() if k in live and t > now}
@@ -90,8 +103,14 @@ class FleetClient:
                 await self.refresh(wait_s=self.poll_s)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the fleet restarting: try again shortly
-                logger.warning("fleet view unavailable: %s", exc)
+            except Exception as exc:  # the fleet restarting: keep routing on the last view, try again shortly
+                self.fleet_error = f"{type(exc).__name__}: {exc}"[:300]
+                logger.warning("fleet view unavailable: %s", self.fleet_error)
+                if is_actor_dead(exc) and self.resolve is not None:
+                    try:  # dead for good (not restarted by Ray): look it up, or create it, by name
+                        self.fleet = await asyncio.to_thread(self.resolve)
+                    except Exception as again:
+                        logger.warning("fleet could not be resolved again: %s", again)
                 await asyncio.sleep(1.0)
 
     def stop_watching(self) -> None:
@@ -231,6 +250,16 @@ class FleetClient:
                                              is_actor_dead(error))
         except Exception:  # the fleet itself restarting: its monitor will find the engine anyway
             pass
+
+
+_BACKGROUND: set = set()
+
+
+def _background(coro) -> None:
+    """Run a restart callback without waiting for it (a reference is kept until it ends)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 def _cancel(call) -> None:

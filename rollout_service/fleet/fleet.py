@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from rollout_service.config import FleetConfig, RolloutServiceConfig
-from rollout_service.fleet.types import FleetView, Member, is_actor_dead
+from rollout_service.fleet.types import FleetView, Member, actor_identity, is_actor_dead
 from rollout_service.fleet.current_weights import CurrentWeights, WeightsRecord, short_error
 from rollout_service.fleet.lifecycle import kill_processes, wait_until_apps_gone
 from rollout_service.fleet.health import SERVING, EngineState, FleetHealth, HealthPolicy
@@ -52,6 +55,7 @@ class _Slot:
     channel: Any = None  # the engine's data channel address (engine.channel.ChannelAddress), if it has one
     load: int = 0
     task: asyncio.Task | None = None  # the start / load running for this slot
+    paused_since: float | None = None  # first probe that found it paused while no refit ran
 
 
 def health_policy(fc: FleetConfig) -> HealthPolicy:
@@ -61,6 +65,15 @@ def health_policy(fc: FleetConfig) -> HealthPolicy:
 class EngineFleet(CurrentWeights):
     def __init__(self, config: RolloutServiceConfig | dict):
         self.config = config if isinstance(config, RolloutServiceConfig) else RolloutServiceConfig.model_validate(config)
+        self.incarnation = uuid.uuid4().hex[:12]
+        # A named fleet (get_or_create_fleet) names its engines and their placement groups and makes
+        # them detached, so they outlive a death of this actor; Ray restarts it (max_restarts) and the
+        # new incarnation adopts them (_adopt) instead of starting afresh. An anonymous fleet (tests,
+        # scripts) owns its engines the plain way: they die with it.
+        # A named fleet looks for engines of its name once, whether Ray restarted it or it was created
+        # afresh after its predecessor was killed for good: they are adopted, never left running.
+        self._name, self._reconstructed = actor_identity()
+        self._adopted = self._name is None
         self._init_state()
         self._apps: set[str] = set()
         self._dependents: list[Any] = []
@@ -70,12 +83,10 @@ class EngineFleet(CurrentWeights):
         self._last_refit: dict[str, Any] | None = None
         self._refits = {"committed": 0, "not_committed": 0}
         self._pin_moves = 0  # rollouts the data plane moved off a live engine (routing.policy)
+        self._adopted_count: int | None = None  # engines a restarted incarnation took over (None: a first one)
 
     def _init_state(self) -> None:
-        ec = self.config.engine
-        self.health = FleetHealth(ec.num_engines, health_policy(self.config.fleet), current_version=BASE_VERSION)
-        self.slots = [_Slot() for _ in range(ec.num_engines)]
-        self.weights = WeightsRecord(version=BASE_VERSION, path=ec.resolved_model())
+        self._reset_slots()
         self._changed = asyncio.Condition()
         self._started = False
         self._start_lock = asyncio.Lock()
@@ -85,10 +96,17 @@ class EngineFleet(CurrentWeights):
         self._refit_deadline = float("inf")
         self._first_starts: list[asyncio.Task] = []
 
+    def _reset_slots(self) -> None:
+        ec = self.config.engine
+        self.health = FleetHealth(ec.num_engines, health_policy(self.config.fleet), current_version=BASE_VERSION)
+        self.slots = [_Slot() for _ in range(ec.num_engines)]
+        self.weights = WeightsRecord(version=BASE_VERSION, path=ec.resolved_model())
+
     # ------------------------------------------------------------------ life cycle
     async def start(self, wait: bool = True) -> float:
         """Start every slot's engine (idempotent); with ``wait``, until every *first* start ended
         (later replacements are not waited for: a caller must not stall on a fault)."""
+        await self._recover()
         async with self._start_lock:
             if not self._started:
                 self._started = True
@@ -112,6 +130,7 @@ class EngineFleet(CurrentWeights):
         """Redeploys call this with their config. A different *engine* config restarts the fleet on it
         (the old engines are stopped, not silently kept). Returns the differing fields (empty: same).
         Other sections (fleet thresholds, ...) are taken over in place."""
+        await self._recover()
         async with self._config_lock:
             return await self._ensure_config(RolloutServiceConfig.model_validate(config))
 
@@ -138,6 +157,7 @@ class EngineFleet(CurrentWeights):
 
     async def attach_app(self, app_name: str) -> None:
         """A Serve application uses this fleet: when every attached app is deleted, the fleet stops."""
+        await self._recover()
         self._apps.add(app_name)
         if self._watch_task is None:
             self._watch_task = asyncio.get_running_loop().create_task(self._watch_apps())
@@ -191,10 +211,12 @@ class EngineFleet(CurrentWeights):
             Member(i, self.slots[i].generation, self.slots[i].actor, self.slots[i].load, self.slots[i].channel)
             for i in self.health.serving()
         )
-        return FleetView(self.health.epoch, self.health.current_version, members, self.health.refitting)
+        return FleetView(self.health.epoch, self.health.current_version, members, self.health.refitting,
+                         self.incarnation)
 
     async def view(self, known_epoch: int | None = None, wait_s: float = 0.0) -> FleetView:
         """The serving set. With ``known_epoch``, wait up to ``wait_s`` for a different epoch (long poll)."""
+        await self._recover()
         if known_epoch is not None and wait_s > 0 and known_epoch == self.health.epoch:
             async with self._changed:
                 try:
@@ -231,11 +253,13 @@ class EngineFleet(CurrentWeights):
     async def report_failure(self, slot: int, generation: int, error: str, fatal: bool = False) -> None:
         """A caller saw a call on this engine fail: ``fatal`` (Ray says the actor died) declares it
         dead now; otherwise (unreachable for a moment) it is probed now instead of at the next round."""
+        await self._recover()
         if 0 <= slot < len(self.slots) and self.health.is_current(slot, generation):
             await self._probe(slot, fatal_error=error if fatal else None)
 
     async def mark_dead(self, slot: int, generation: int, error: str) -> None:
         """The control plane found this engine unusable (e.g. a rollback failed): replace it."""
+        await self._recover()
         before = self.health.epoch
         self.health.mark_dead(slot, generation, error)
         self._on_dead(slot, generation)
@@ -252,6 +276,7 @@ class EngineFleet(CurrentWeights):
 
         The refit's own steps fan out over the members of its ``FleetView`` in the controller's
         process (one hop less on every step of the stall); this is for every other control call."""
+        await self._recover()
 
         view = self._view()
 
@@ -270,6 +295,7 @@ class EngineFleet(CurrentWeights):
     async def begin_refit(self, lease_s: float = 3600.0) -> FleetView:
         """A refit starts over the returned members; nothing joins the serving set until ``end_refit``
         or until ``lease_s`` passes (a controller that died mid-refit does not block joins forever)."""
+        await self._recover()
         if self.health.refitting:
             raise RuntimeError("a refit is already bracketed on the fleet")
         self.health.begin_refit()
@@ -284,6 +310,7 @@ class EngineFleet(CurrentWeights):
     async def end_refit(self, version: str | None = None, path: str | None = None) -> FleetView:
         """End the bracket. ``version``: the refit committed it on every member (``path``: the
         checkpoint directory it came from, if any); None: nothing changed."""
+        await self._recover()
         before = self.health.epoch
         if version is not None and version != self.health.current_version:
             self.weights = WeightsRecord(version=version, path=path)
@@ -309,6 +336,7 @@ class EngineFleet(CurrentWeights):
 
     # ------------------------------------------------------------------ stats
     async def stats(self) -> dict[str, Any]:
+        await self._recover()
         slots = self.health.snapshot()
         for d, s in zip(slots, self.slots):
             d["load"] = s.load
@@ -327,6 +355,8 @@ class EngineFleet(CurrentWeights):
             "refits": dict(self._refits),
             "backend": self.config.engine.backend,
             "pin_moves": self._pin_moves,
+            "incarnation": self.incarnation,
+            "adopted": self._adopted_count,
         }
 
     def count_pin_move(self) -> None:
@@ -388,6 +418,7 @@ class EngineFleet(CurrentWeights):
                 info = await asyncio.wait_for(s.actor.health.remote(), self.health.policy.probe_timeout_s)
                 s.load = int(info.get("in_flight", 0))
                 self.health.on_probe_ok(slot, generation)
+                await self._resume_if_left_paused(slot, bool(info.get("paused")))
             except asyncio.TimeoutError:
                 self.health.on_probe_failed(slot, generation, f"probe timed out after {self.health.policy.probe_timeout_s}s")
             except (rex.RayActorError, rex.ActorUnavailableError) as exc:
@@ -425,6 +456,25 @@ class EngineFleet(CurrentWeights):
                 scheduling_strategy=NodeAffinitySchedulingStrategy(processes["node_id"], soft=False)
             ).remote(processes["processes"])
 
+    async def _resume_if_left_paused(self, slot: int, paused: bool) -> None:
+        """Resume an engine paused for ``fleet.resume_unbracketed_pause_s`` while no refit runs: a
+        pause that landed after the refit that sent it was over (its controller died, or the call
+        outlived its timeout) is nobody's to undo but this."""
+        s = self.slots[slot]
+        if not paused or self.health.refitting:
+            s.paused_since = None
+            return
+        now = time.monotonic()
+        if s.paused_since is None:
+            s.paused_since = now
+        elif now - s.paused_since >= self.config.fleet.resume_unbracketed_pause_s:
+            logger.warning("engine slot %d paused for %.0fs with no refit running: resuming it", slot, now - s.paused_since)
+            s.paused_since = None
+            try:
+                await asyncio.wait_for(s.actor.resume.remote(), self.health.policy.probe_timeout_s)
+            except Exception as exc:
+                logger.warning("resuming engine slot %d failed: %s", slot, short_error(exc))
+
     # ------------------------------------------------------------------ bring-up
     def _launch(self, slot: int, generation: int) -> None:
         s = self.slots[slot]
@@ -441,8 +491,10 @@ class EngineFleet(CurrentWeights):
         timeout = self.health.policy.start_timeout_s
         try:
             if s.placement is None:  # kept across replacements: a replacement gets the same GPUs / node
-                s.placement = await reserve(ec, slot, timeout)
-            actor = create_engine_actor(ec, slot, placement=s.placement, initial_weight_version=BASE_VERSION)
+                s.placement = await reserve(ec, slot, timeout, **self._detached(placement_name(self._name, slot)))
+            actor = create_engine_actor(ec, slot, placement=s.placement, initial_weight_version=BASE_VERSION,
+                                        **self._detached(engine_name(self._name, slot, generation),
+                                                         namespace=FLEET_NAMESPACE))
             s.generation, s.actor = generation, actor
             await asyncio.wait_for(actor.start.remote(), timeout)
             s.processes = await asyncio.wait_for(actor.process_info.remote(), 60)
@@ -465,6 +517,92 @@ class EngineFleet(CurrentWeights):
             self._kill(self.slots[slot])
         await self._publish(before)
 
+    def _detached(self, name: str | None, **extra: Any) -> dict[str, Any]:
+        """Options that let an engine (or its placement group) outlive this actor, when it is named."""
+        return {"name": name, "lifetime": "detached", **extra} if self._name is not None else {}
+
+    # ------------------------------------------------------------------ restart
+    async def _recover(self) -> None:
+        """Adopt the engines of a previous incarnation (restarted by Ray, or killed and created
+        again) before answering anything (once; a first fleet finds none)."""
+        if self._adopted:
+            return
+        async with self._start_lock:
+            if not self._adopted:
+                try:
+                    await self._adopt()
+                finally:
+                    self._adopted = True
+
+    async def _adopt(self) -> None:
+        """Take over the live engines of the previous incarnation, found by name: their slot,
+        generation, processes, data channel, config and weight version; the version most of them
+        hold is the current one (a refit commits on every engine before the fleet hears of it, and a
+        controller that died mid-refit rolls its engines back: rollout_service.refit.controller).
+        Engines on another version are STALE (reloaded by the monitor); slots without a live engine
+        start one. The epoch jumps, so every router takes the new view at once."""
+        from rollout_service.fleet.placement import adopt_engine_placement
+
+        t0 = time.perf_counter()
+        found = _named_engines(self._name)
+        if not found and not self._reconstructed:
+            return  # a first fleet
+        timeout = self.health.policy.probe_timeout_s
+        adopted: dict[int, tuple[int, Any, dict, Any, dict]] = {}
+        for slot, generations in found.items():
+            if slot >= len(self.slots):
+                for name in generations.values():
+                    _kill_named(name)
+                continue
+            newest = max(generations)
+            for gen, name in generations.items():
+                if gen != newest:
+                    _kill_named(name)
+            try:
+                actor = ray.get_actor(generations[newest], namespace=FLEET_NAMESPACE)
+                info = await asyncio.wait_for(actor.health.remote(), timeout)
+                processes = await asyncio.wait_for(actor.process_info.remote(), timeout)
+                engine_config = await asyncio.wait_for(actor.engine_config.remote(), timeout)
+                channel = None
+                if self.config.engine.data_channel == "tcp":
+                    channel = await asyncio.wait_for(actor.open_channel.remote(), timeout)
+            except Exception as exc:  # gone or hung: replaced like any dead engine
+                logger.warning("engine %s not adopted: %s", generations[newest], short_error(exc))
+                _kill_named(generations[newest])
+                continue
+            adopted[slot] = (newest, actor, processes, channel, {**info, "config": engine_config})
+        if adopted:
+            engine_config = next(iter(adopted.values()))[4]["config"]
+            self.config = self.config.model_copy(update={"engine": type(self.config.engine).model_validate(engine_config)})
+            self._reset_slots()
+            versions = Counter(a[4]["weight_version"] for a in adopted.values())
+            current = versions.most_common(1)[0][0]
+            self.health.current_version = current
+            self.weights = WeightsRecord(version=current,
+                                         path=self.config.engine.resolved_model() if current == BASE_VERSION else None)
+        self.health.epoch = int(time.time())  # distinct from every epoch of the previous incarnation
+        for slot, (generation, actor, processes, channel, info) in adopted.items():
+            s = self.slots[slot]
+            s.generation, s.actor, s.processes, s.channel = generation, actor, processes, channel
+            s.load = int(info.get("in_flight", 0))
+            s.placement = adopt_engine_placement(self.config.engine, placement_name(self._name, slot))
+            self.health.on_adopted(slot, generation, info["weight_version"])
+            self.health.slots[slot].since = time.monotonic()
+        self._adopted_count = len(adopted)
+        self._dependents = _named_dependents(self._name)
+        if adopted:
+            self._started = True
+            self._startup_s = 0.0
+            for i in range(len(self.slots)):
+                if i not in adopted:  # a fresh engine, named past every generation seen in the slot
+                    self.health.slots[i].generation = max(found.get(i, {-1: None})) + 1
+                    self._launch(i, self.health.slots[i].generation)
+            self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
+        logger.warning("fleet restarted (incarnation %s): adopted %d engine(s) of %d in %.2fs, serving version %s",
+                       self.incarnation, len(adopted), len(self.slots), time.perf_counter() - t0,
+                       self.health.current_version)
+        await self._publish(-1)
+
     # ------------------------------------------------------------------ app watch
     async def _watch_apps(self) -> None:
         """Stop the engines, the dependents and this actor once every attached Serve app is gone."""
@@ -483,13 +621,53 @@ def fleet_name(instance_name: str) -> str:
     return f"{instance_name}-fleet"
 
 
+def engine_name(fleet: str | None, slot: int, generation: int) -> str | None:
+    return f"{fleet}-engine-{slot}-g{generation}" if fleet else None
+
+
+def placement_name(fleet: str | None, slot: int) -> str | None:
+    return f"{fleet}-placement-{slot}" if fleet else None
+
+
+def _named_engines(fleet: str | None) -> dict[int, dict[int, str]]:
+    """Live engine actors named by ``fleet``: slot -> generation -> name."""
+    if not fleet:
+        return {}
+    pattern = re.compile(re.escape(fleet) + r"-engine-(\d+)-g(\d+)$")
+    out: dict[int, dict[int, str]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        m = pattern.match(entry.get("name", "")) if entry.get("namespace") == FLEET_NAMESPACE else None
+        if m:
+            out.setdefault(int(m.group(1)), {})[int(m.group(2))] = entry["name"]
+    return out
+
+
+def _named_dependents(fleet: str | None) -> list[Any]:
+    """The refit controller of this fleet's instance, if one runs (killed with the fleet)."""
+    if not fleet or not fleet.endswith("-fleet"):
+        return []
+    try:
+        return [ray.get_actor(fleet[: -len("-fleet")] + "-refit", namespace=FLEET_NAMESPACE)]
+    except ValueError:
+        return []
+
+
+def _kill_named(name: str) -> None:
+    try:
+        ray.kill(ray.get_actor(name, namespace=FLEET_NAMESPACE), no_restart=True)
+    except Exception:
+        pass
+
+
 def get_or_create_fleet(config: RolloutServiceConfig, *, detached: bool = True):
     """The service's fleet actor (``<service.instance_name>-fleet``), created on first call
     (detached: it outlives the callers)."""
     import ray
 
+    # max_restarts: Ray restarts a fleet that died (killed, its node lost); the new incarnation adopts
+    # the engines (EngineFleet._adopt) and every handle to it keeps working.
     opts: dict[str, Any] = dict(name=fleet_name(config.service.instance_name), namespace=FLEET_NAMESPACE, get_if_exists=True, num_cpus=0,
-                                max_concurrency=1000)
+                                max_concurrency=1000, max_restarts=-1)
     if detached:
         opts["lifetime"] = "detached"
     return ray.remote(EngineFleet).options(**opts).remote(config.model_dump())
@@ -501,13 +679,14 @@ def get_fleet(name: str = FLEET_NAME):
     return ray.get_actor(name, namespace=FLEET_NAMESPACE)
 
 
-async def reserve(config, slot: int, timeout: float):
+async def reserve(config, slot: int, timeout: float, **options: Any):
     """Reserve an engine's placement group in a thread. If the bring-up is cancelled while the
     thread waits (fleet stop, a config restart), the thread still finishes: the group it then
     holds is removed instead of keeping its GPUs until the fleet actor dies."""
     from rollout_service.fleet.placement import release_engine_placement, reserve_engine_placement
 
-    reservation = asyncio.ensure_future(asyncio.to_thread(reserve_engine_placement, config, slot, timeout_s=timeout))
+    reservation = asyncio.ensure_future(asyncio.to_thread(reserve_engine_placement, config, slot, timeout_s=timeout,
+                                                          **options))
     try:
         return await asyncio.shield(reservation)
     except asyncio.CancelledError:

@@ -152,6 +152,17 @@ class FleetHealth:
             self._enter(s, EngineState.STALE)
         return s.state
 
+    def on_adopted(self, slot: int, generation: int, version: str) -> EngineState:
+        """A restarted fleet found the slot's engine alive (generation ``generation``, holding
+        ``version``): it serves if that is the current version, else it is STALE until reloaded."""
+        s = self.slots[slot]
+        s.generation = generation
+        s.weight_version = version
+        s.last_ok = self.clock()
+        s.consecutive_failures = 0
+        self._enter(s, EngineState.HEALTHY if version == self.current_version else EngineState.STALE)
+        return s.state
+
     def on_probe_ok(self, slot: int, generation: int) -> EngineState:
         s = self.slots[slot]
         if s.generation != generation:

@@ -162,6 +162,21 @@ def reserve_engine_placement(
     return EnginePlacement(pg, 0, engine_actor_options(config, pg), bundles)
 
 
+def adopt_engine_placement(config: EngineConfig, name: str | None) -> EnginePlacement | None:
+    """The placement group ``name`` that a fleet actor before a restart reserved for an engine it
+    still runs (None: it reserved none, or the group is gone: a replacement reserves anew)."""
+    bundles = engine_bundles(config)
+    if not name or not bundles or (config.device == "cpu" and not config.bundle_resources):
+        return None
+    import ray
+
+    try:
+        pg = ray.util.get_placement_group(name)
+    except ValueError:
+        return None
+    return EnginePlacement(pg, 0, engine_actor_options(config, pg), bundles)
+
+
 def release_engine_placement(placement: EnginePlacement | None) -> None:
     """Remove the engine's placement group (idempotent; actors still in it are killed by Ray)."""
     if placement is None or placement.placement_group is None:

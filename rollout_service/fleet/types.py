@@ -38,6 +38,7 @@ class FleetView:
     version: str
     members: tuple[Member, ...]
     refitting: bool = False
+    incarnation: str | None = None  # the fleet actor's life: a new one after every restart of the actor
 
     def handles(self) -> list[Any]:
         return [m.handle for m in self.members]
@@ -74,3 +75,18 @@ def is_engine_death(exc: BaseException) -> bool:
 def is_actor_dead(exc: BaseException) -> bool:
     """Dead for good (not merely unreachable for a moment)."""
     return isinstance(exc, rex.RayActorError) and not isinstance(exc, rex.ActorUnavailableError)
+
+
+def actor_identity() -> tuple[str | None, bool]:
+    """(this actor's name, whether Ray restarted it after a death); (None, False) outside an actor."""
+    import warnings
+
+    try:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return ctx.get_actor_name() or None, bool(ctx.was_current_actor_reconstructed)
+    except Exception:
+        return None, False

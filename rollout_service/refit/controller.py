@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.fleet.types import FleetView, Member, is_actor_dead, is_engine_death
+from rollout_service.fleet.types import FleetView, Member, actor_identity, is_actor_dead, is_engine_death
 from rollout_service.weights.collective import ABORT_MESSAGE
 from rollout_service.metrics import get_metrics
 from rollout_service.refit.nccl import NcclRounds
@@ -58,6 +58,11 @@ class RefitController(NcclRounds):
         self._num_refits = 0
         self._num_failed_refits = 0
         self._nccl: dict[str, Any] | None = None  # the NCCL round in progress: members, lease deadline
+        # Ray restarts a controller that died (max_restarts): the new incarnation first ends the refit
+        # the old one may have left half-done (_end_abandoned_refit), before anything else.
+        _, self._reconstructed = actor_identity()
+        self._recover_lock = asyncio.Lock()
+        self.recovered: dict[str, Any] | None = None  # what that found and did (stats)
 
     @property
     def fleet(self):
@@ -69,6 +74,7 @@ class RefitController(NcclRounds):
 
     async def start(self) -> float:
         """Wait until the fleet has started its engines (idempotent). Returns the fleet's start-up seconds."""
+        await self._after_restart()
         async with self._start_lock:
             startup = await self.fleet.start.remote()
             if not self._started:
@@ -78,6 +84,76 @@ class RefitController(NcclRounds):
                 if view.version not in self._version_history:
                     self._version_history.append(view.version)
             return startup
+
+    async def _after_restart(self) -> None:
+        if not self._reconstructed:
+            return
+        async with self._recover_lock:
+            if self._reconstructed:
+                self.recovered = await self._end_abandoned_refit()
+                self._reconstructed = False
+                logger.warning("refit controller restarted: %s", self.recovered)
+
+    async def _end_abandoned_refit(self) -> dict[str, Any]:
+        """After a restart: whatever refit the previous incarnation was running is over. Every
+        serving engine is brought back to one version and resumed:
+
+        - an engine that loaded new weights without committing them reloads the previous ones
+          (``rs_rollback``) and takes the fleet's version label back;
+        - if every engine committed the same new version (the old incarnation died between the
+          commit and telling the fleet), the fleet is told: the refit happened;
+        - an engine that committed a version the others did not is handed to the fleet to be
+          replaced on the current version (its weights cannot be rolled back);
+        - the NCCL path loads in place with nothing staged: every engine reloads its last
+          committed weights (``rs_reload_current``), as when a round's lease runs out;
+        - every engine is resumed (idempotent) and the fleet's refit bracket ended.
+        The trainer's refit call failed with the controller's death; it may retry."""
+        timeout = self.config.refit.step_timeout_s
+        stats = await asyncio.wait_for(self.fleet.stats.remote(), timeout)
+        view = await asyncio.wait_for(self.fleet.view.remote(), timeout)
+        current = stats["weight_version"]
+        nccl = self.config.refit.backend == "nccl"
+
+        async def one(m: Member):
+            e = m.handle
+            rolled = await asyncio.wait_for(e.collective_rpc.remote("rs_reload_current" if nccl else "rs_rollback",
+                                                                    timeout=timeout), timeout)
+            if not nccl:
+                await asyncio.wait_for(e.collective_rpc.remote("rs_discard_staged", timeout=timeout), timeout)
+            return bool(nccl or any(r.get("reloaded") for r in rolled if r)), await e.weight_version.remote()
+
+        results = await asyncio.gather(*[one(m) for m in view.members], return_exceptions=True)
+        done: dict[str, Any] = {"version": current, "engines": len(view.members), "rolled_back": 0,
+                                "relabelled": 0, "replaced": 0, "rolled_forward": None}
+        alive = [(m, r) for m, r in zip(view.members, results) if not isinstance(r, BaseException)]
+        for m, r in zip(view.members, results):
+            if isinstance(r, BaseException):  # dead or broken: the fleet replaces it on the current version
+                await self.fleet.mark_dead.remote(m.slot, m.generation, f"after a controller restart: {short_error(r)}")
+                done["replaced"] += 1
+        versions = {version for (_, version) in (r for _, r in alive)}
+        kept = [(m, rolled, version) for m, (rolled, version) in alive]
+        if len(versions) == 1 and versions != {current} and not any(rolled for _, rolled, _ in kept):
+            done["rolled_forward"] = done["version"] = next(iter(versions))  # every engine committed it
+        else:
+            for m, rolled, version in kept:
+                done["rolled_back"] += int(rolled)
+                if version == current:
+                    continue
+                if rolled:  # back on the previous weights: the previous label too
+                    await asyncio.wait_for(m.handle.set_weight_version.remote(current), timeout)
+                    done["relabelled"] += 1
+                else:
+                    await self.fleet.mark_dead.remote(m.slot, m.generation, "committed a version the fleet never "
+                                                      "recorded (controller died mid-refit)")
+                    done["replaced"] += 1
+        await asyncio.gather(*[asyncio.wait_for(m.handle.resume.remote(), timeout) for m, _ in alive],
+                             return_exceptions=True)
+        if stats.get("refitting") or done["rolled_forward"]:
+            await self.fleet.end_refit.remote(done["rolled_forward"])
+        self.weight_version = done["version"]
+        if self.weight_version not in self._version_history:
+            self._version_history.append(self.weight_version)
+        return done
 
     async def register_with_fleet(self) -> None:
         """Live and die with the fleet: it kills this actor when the Serve app is deleted."""
@@ -142,6 +218,7 @@ class RefitController(NcclRounds):
                 "histogram": {str(k): lags.count(k) for k in sorted(set(lags))},
             },
             "weight_sync": dict(self._weight_sync) if self._weight_sync else None,
+            "recovered": self.recovered,
         }
 
     @staticmethod
@@ -469,6 +546,7 @@ def get_or_create_controller(config: RolloutServiceConfig | None = None, *, name
             get_if_exists=True,
             num_cpus=0,
             max_concurrency=1000,
+            max_restarts=-1,  # restarted after a death; the new incarnation ends an abandoned refit first
         )
         .remote(config.model_dump())
     )

@@ -157,7 +157,9 @@ class RolloutService(ForwardingReplica):
                 routing = self.config.routing
                 policy = make_policy(routing.policy, load_margin=routing.load_margin,
                                      prefix_caching=self.config.engine.enable_prefix_caching)
-                runner = TurnRunner(self.config, await connect(fleet, policy=policy), store, tokenizer)
+                client = await connect(fleet, policy=policy, resolve=lambda: get_or_create_fleet(self.config))
+                client.on_fleet_restart.append(lambda: self._reattach(client))
+                runner = TurnRunner(self.config, client, store, tokenizer)
                 try:
                     await asyncio.to_thread(runner.warm)
                 except Exception:  # a cold first call is slower, not wrong
@@ -303,6 +305,17 @@ class RolloutService(ForwardingReplica):
             "root": self.model_root, "parent": None, "max_model_len": self.config.engine.max_model_len,
         }]})
 
+    async def _reattach(self, client) -> None:
+        """A restarted fleet learns this app's config and name again (it adopted the engines)."""
+        try:
+            fleet = client.fleet
+            await fleet.ensure_config.remote(self.config.model_dump())
+            if self.app_name:
+                await fleet.attach_app.remote(self.app_name)
+            await fleet.start.remote(wait=False)
+        except Exception:
+            logger.warning("re-attaching to the restarted fleet failed", exc_info=True)
+
     @fastapi_app.head("/health", responses=errors_doc(503))  # load balancers probe with either
     @fastapi_app.get("/health", responses=errors_doc(503))
     async def health(self):
@@ -315,7 +328,9 @@ class RolloutService(ForwardingReplica):
         info = {"replica": self.replica_id, "store": store_ok, "engines_alive": len(runner.fleet.members()),
                 "fleet_epoch": view.epoch if view else None, "weight_version": view.version if view else None,
                 "forwarded_calls": self.forwarded, "forward_fallbacks": self.forward_fallbacks, "ingress": "haproxy" if self.haproxy else "serve"}
-        if not store_ok or not info["engines_alive"]:
+        if runner.fleet.fleet_error:
+            info["fleet"] = f"unreachable: {runner.fleet.fleet_error}"
+        if not store_ok or not info["engines_alive"] or runner.fleet.fleet_error:
             raise ServiceError(503, f"not ready: {info}", type="service_unavailable")
         return JSONResponse({"status": "ok", **info})
 

@@ -1,0 +1,285 @@
+"""The control plane heals: the fleet actor and the refit controller, killed with SIGKILL, are
+restarted by Ray; the fleet's new incarnation adopts the running engines (same processes, same
+weights), the data plane keeps serving on its last view meanwhile and re-attaches, a trainer's
+next refit works on the same handle, and a refit cut short by its controller's death ends with
+every engine resumed on one version. ``/health`` says 503 when the fleet is gone for good.
+
+On simulated engines (engine.backend: simulated): real Ray actors and processes, killed by real
+signals; what is tested is the fleet's and the controller's life cycle, not the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+
+APP = "heal"
+ENGINES = 4
+
+
+def _config(tiny_model_dir, redis_url):
+    from rollout_service.config import RolloutServiceConfig
+
+    return RolloutServiceConfig.model_validate({
+        "engine": {"model": str(tiny_model_dir), "backend": "simulated", "num_engines": ENGINES,
+                   "num_cpus_per_engine": 0, "max_num_seqs": 16,
+                   "sim": {"decode_step_s": 0.003, "decode_step_s_per_seq": 0.0001, "prefill_s_per_token": 1e-6}},
+        "store": {"redis_url": redis_url, "key_prefix": APP},
+        "service": {"instance_name": APP, "num_affinity_replicas": 1},
+        "fleet": {"app_watch_interval_s": 1.0, "probe_interval_s": 0.5, "resume_unbracketed_pause_s": 3.0,
+                  "unresponsive_after_s": 60.0, "probe_timeout_s": 5.0},
+        "refit": {"step_timeout_s": 30.0},
+    })
+
+
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def _engine_states(fleet) -> dict[int, tuple[int, bool, str]]:
+    view = ray.get(fleet.view.remote(), timeout=60)
+    out = {}
+    for m in view.members:
+        h = ray.get(m.handle.health.remote(), timeout=60)
+        out[m.slot] = (h["pid"], h["paused"], h["weight_version"])
+    return out
+
+
+def _wait(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(0.25)
+
+
+async def _rollouts(base: str, prefix: str, n: int, failures: list, concurrency: int = 8) -> int:
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+
+    async def one(client, i):
+        nonlocal done
+        async with sem:
+            rid = f"{prefix}-{i}"
+            messages = [{"role": "user", "content": f"task {i}"}]
+            for turn in range(2):
+                r = await client.post(f"{base}/v1/chat/completions", headers={"X-Rollout-Id": rid}, json={
+                    "model": "tiny-qwen3", "messages": messages, "max_tokens": 24, "seed": i})
+                if r.status_code != 200:
+                    failures.append((rid, turn, r.status_code, r.text[:300]))
+                    return
+                msg = r.json()["choices"][0]["message"]
+                messages += [{"role": "assistant", "content": msg["content"] or ""}, {"role": "user", "content": "more"}]
+            done += 1
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        await asyncio.gather(*[one(client, i) for i in range(n)])
+    return done
+
+
+def _stored(base: str, prefix: str, n: int) -> None:
+    with httpx.Client(timeout=60) as client:
+        for i in range(n):
+            traj = client.get(f"{base}/v1/rollouts/{prefix}-{i}").json()
+            assert traj["turns"] == 2 and len(traj["segments"]) == 1, traj
+
+
+@pytest.fixture(scope="module")
+def heal_app(service, redis_server, tiny_model_dir):
+    from ray import serve
+
+    from rollout_service.fleet.fleet import fleet_name, get_fleet
+    from rollout_service.serve.app import build_app
+
+    base = f"{service.url}/{APP}"
+    serve.run(build_app(_config(tiny_model_dir, redis_server)), name=APP, route_prefix=f"/{APP}")
+
+    def healthy():
+        try:
+            return httpx.get(f"{base}/health", timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _wait(healthy, 300, "the app did not come up")
+    fleet = get_fleet(fleet_name(APP))
+    _wait(lambda: len(_engine_states(fleet)) == ENGINES, 120, "engines not serving")
+    yield base, fleet
+    serve.delete(APP)
+    from rollout_service.fleet.fleet import FLEET_NAMESPACE
+
+    def gone():
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == FLEET_NAMESPACE and a["name"].startswith(f"{APP}-")]
+        return not names or None
+
+    try:
+        _wait(gone, 60, "the fleet, its engines or its controller outlived the app")
+    finally:
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["namespace"] == FLEET_NAMESPACE and a["name"].startswith(f"{APP}-"):
+                ray.kill(ray.get_actor(a["name"], namespace=FLEET_NAMESPACE), no_restart=True)
+
+
+def test_a_killed_fleet_is_restarted_adopts_its_engines_and_nothing_is_lost(heal_app, tiny_model_dir, tmp_path):
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.controller import controller_name, get_controller
+
+    base, fleet = heal_app
+    before = ray.get(fleet.stats.remote(), timeout=60)
+    engines = _engine_states(fleet)
+    fleet_pid = _pid(fleet)
+    failures: list = []
+    killed = {}
+
+    def kill_soon():
+        time.sleep(1.0)
+        os.kill(fleet_pid, signal.SIGKILL)
+        killed["at"] = time.monotonic()
+
+    side = threading.Thread(target=kill_soon, daemon=True)
+    side.start()
+    done = asyncio.run(_rollouts(base, "fk", 120, failures))
+    side.join(10)
+    assert "at" in killed
+    assert failures == [] and done == 120, failures[:5]
+    _stored(base, "fk", 120)
+
+    after = _wait(lambda: (s := ray.get(fleet.stats.remote(), timeout=60))["incarnation"] != before["incarnation"] and s,
+                  60, "the fleet was not restarted")
+    assert _pid(fleet) != fleet_pid
+    assert after["adopted"] == ENGINES and after["weight_version"] == before["weight_version"]
+    assert _engine_states(fleet) == engines  # the same engine processes, not restarted
+    assert after["apps"] == [APP]  # the app re-attached itself to the new incarnation
+    assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(tiny_model_dir / "model.safetensors", ckpt / "model.safetensors")
+    trainer = TrainerClient(get_controller(controller_name(APP)), timeout_s=60)
+    report = trainer.refit("h1", str(ckpt), transport="path")
+    assert report["ok"] and len(report["engines"]) == ENGINES
+    assert {v for _, _, v in _engine_states(fleet).values()} == {"h1"}
+
+
+def test_a_killed_controller_is_restarted_and_a_refit_it_left_half_done_ends_with_every_engine_resumed(
+        heal_app, tiny_model_dir, tmp_path):
+    """What a controller that dies in the middle of a refit leaves behind is made here step by step
+    with the engines' own calls (a SIGKILL cannot be timed into a refit that takes a fraction of a
+    second on simulated engines): the fleet's refit bracket open, every engine paused, one engine
+    loaded and labelled with the new version, uncommitted. The restarted controller rolls it back
+    and resumes every engine on the version the fleet serves; when instead every engine had
+    committed the new version, it tells the fleet (roll forward). A pause that lands after its
+    refit is over is undone by the fleet."""
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.controller import controller_name, get_controller
+
+    base, fleet = heal_app
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(tiny_model_dir / "model.safetensors", ckpt / "model.safetensors")
+    controller = get_controller(controller_name(APP))
+    trainer = TrainerClient(controller, timeout_s=60)
+    start_version = trainer.stats()["weight_version"]
+
+    # Between refits: the same handle works after the restart.
+    pid = _pid(controller)
+    os.kill(pid, signal.SIGKILL)
+    report = _wait(lambda: _try(lambda: trainer.refit("c1", str(ckpt), transport="path")), 60,
+                   "no refit after the controller's restart")
+    assert report["ok"] and _pid(controller) != pid
+    assert trainer.stats()["recovered"]["version"] == start_version
+    sums = set(trainer.weights_checksums())
+
+    # Mid-refit: bracket open, all paused, engine 0 loaded + labelled "c2" without a commit.
+    view = ray.get(fleet.begin_refit.remote(lease_s=600), timeout=60)
+    engines = {m.slot: m.handle for m in view.members}
+    ray.get([e.pause.remote(mode="keep") for e in engines.values()], timeout=60)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(tiny_model_dir / "model.safetensors", other / "model.safetensors")
+    ray.get(engines[0].collective_rpc.remote("rs_stage_path", args=(str(other),)), timeout=60)
+    ray.get(engines[0].collective_rpc.remote("rs_load_staged"), timeout=60)
+    ray.get(engines[0].set_weight_version.remote("c2"), timeout=60)
+    os.kill(_pid(controller), signal.SIGKILL)
+    recovered = _wait(lambda: _try(lambda: trainer.stats()["recovered"]), 60, "the controller did not come back")
+    assert recovered["version"] == "c1" and recovered["rolled_forward"] is None
+    assert (recovered["rolled_back"], recovered["relabelled"], recovered["replaced"]) == (1, 1, 0)
+    assert {(p, v) for _, p, v in _engine_states(fleet).values()} == {(False, "c1")}
+    assert set(trainer.weights_checksums()) == sums  # engine 0 is back on c1's weights
+    assert ray.get(fleet.stats.remote())["refitting"] is False
+
+    # Every engine committed "c2", the fleet never heard: rolled forward.
+    view = ray.get(fleet.begin_refit.remote(lease_s=600), timeout=60)
+    for e in (m.handle for m in view.members):
+        ray.get(e.pause.remote(mode="keep"), timeout=60)
+        ray.get(e.collective_rpc.remote("rs_stage_path", args=(str(other),)), timeout=60)
+        ray.get(e.collective_rpc.remote("rs_load_staged"), timeout=60)
+        ray.get(e.set_weight_version.remote("c2"), timeout=60)
+        ray.get(e.collective_rpc.remote("rs_commit"), timeout=60)
+    os.kill(_pid(controller), signal.SIGKILL)
+    recovered = _wait(lambda: _try(lambda: trainer.stats()["recovered"]), 60, "the controller did not come back")
+    assert recovered["rolled_forward"] == recovered["version"] == "c2"
+    assert ray.get(fleet.stats.remote())["weight_version"] == "c2"
+    assert {(p, v) for _, p, v in _engine_states(fleet).values()} == {(False, "c2")}
+
+    # A pause that lands after its refit is over: the fleet resumes it (fleet.resume_unbracketed_pause_s).
+    late = ray.get(fleet.view.remote()).members[1].handle
+    ray.get(late.pause.remote(mode="keep"), timeout=60)
+    t0 = time.monotonic()
+    _wait(lambda: not ray.get(late.is_paused.remote()), 30, "an engine left paused outside a refit stayed paused")
+    print(f"late pause undone by the fleet after {time.monotonic() - t0:.1f}s")
+
+    report = trainer.refit("c3", str(ckpt), transport="path")
+    assert report["ok"] and len(report["engines"]) == ENGINES
+    failures: list = []
+    assert asyncio.run(_rollouts(base, "ck", 20, failures)) == 20 and failures == []
+
+
+def test_a_fleet_killed_for_good_is_created_again_by_the_data_plane_and_adopts_the_engines(heal_app):
+    """ray.kill without restart: no Ray restart comes. The app's replica finds the fleet dead for
+    good, creates it again by name, and the new fleet adopts the running engines; meanwhile
+    /health answers 503 naming the fleet, never 200 from a stale view."""
+    base, fleet = heal_app
+    from rollout_service.fleet.fleet import fleet_name, get_fleet
+
+    engines = _engine_states(fleet)
+    before = ray.get(fleet.stats.remote(), timeout=60)["incarnation"]
+    ray.kill(fleet, no_restart=True)
+    seen = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{base}/health", timeout=30)
+        seen.append(r.status_code)
+        if r.status_code == 503:
+            assert "fleet" in r.json()["error"]["message"], r.text
+        try:
+            again = get_fleet(fleet_name(APP))
+            stats = ray.get(again.stats.remote(), timeout=10)
+        except Exception:
+            stats = None
+        if r.status_code == 200 and stats and stats["incarnation"] != before and stats["apps"] == [APP]:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the fleet was not created again: health {seen[-5:]}")
+    print(f"/health while the fleet was gone: {sorted(set(seen))}")
+    assert stats["adopted"] == ENGINES and _engine_states(again) == engines
+    failures: list = []
+    assert asyncio.run(_rollouts(base, "fg", 20, failures)) == 20 and failures == []
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception:
+        return None
