@@ -1,6 +1,8 @@
 """The engine fleet: the one owner of the engine actors.
 
-One named, detached actor per service (``rollout-service-fleet`` in namespace ``rollout-service``).
+One named, detached actor per service (``rollout-service-fleet`` in namespace ``rollout-service``),
+restarted by Ray when it dies; its engines are named and detached too, so a new incarnation adopts
+them (``_adopt``) instead of starting afresh (docs/reliability.md, "The control plane heals").
 It creates the engines from the config (one per GPU / TP group, placed by
 :mod:`rollout_service.fleet.placement`), probes them, replaces the dead and the hung on the
 current weights, and publishes the serving set with an epoch (:class:`FleetView`). What the probes
