@@ -171,6 +171,7 @@ class EngineFleet(CurrentWeights):
     async def shutdown(self) -> None:
         """Stop every engine and the monitor (the fleet actor itself stays until killed); a later
         ``start`` begins afresh."""
+        await self._recover()  # a restarted fleet stops the engines it inherited too
         async with self._start_lock:
             await self._stop_engines()
             self._init_state()
@@ -592,12 +593,14 @@ class EngineFleet(CurrentWeights):
             self.health.slots[slot].since = time.monotonic()
         self._adopted_count = len(adopted)
         self._dependents = _named_dependents(self._name)
+        for i in range(len(self.slots)):
+            if i not in adopted:  # a fresh engine there is named past every generation seen in the slot
+                self.health.slots[i].generation = max(found.get(i, {-1: None})) + 1
         if adopted:
             self._started = True
             self._startup_s = 0.0
             for i in range(len(self.slots)):
-                if i not in adopted:  # a fresh engine, named past every generation seen in the slot
-                    self.health.slots[i].generation = max(found.get(i, {-1: None})) + 1
+                if i not in adopted:
                     self._launch(i, self.health.slots[i].generation)
             self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
         logger.warning("fleet restarted (incarnation %s): adopted %d engine(s) of %d in %.2fs, serving version %s",
