@@ -158,16 +158,19 @@ def engine_stats(fleet) -> list[dict]:
     return ray.get([m.handle.health.remote() for m in view.members], timeout=120)
 
 
-def wait_healthy(fleet, n: int, timeout: float = 600) -> float:
+def wait_healthy(fleet, n: int, timeout: float = 180, replaced: dict[int, int] | None = None) -> float:
+    """Seconds until every slot is healthy (and each slot in ``replaced`` past that generation)."""
     import ray
 
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
-        stats = ray.get(fleet.stats.remote(), timeout=120)
-        if sum(s["state"] == "healthy" for s in stats["slots"]) == n:
+        slots = ray.get(fleet.stats.remote(), timeout=120)["slots"]
+        if sum(s["state"] == "healthy" for s in slots) == n and all(
+                slots[i]["generation"] > g for i, g in (replaced or {}).items()):
             return time.perf_counter() - t0
-        time.sleep(0.1)
-    raise TimeoutError(f"fleet not healthy after {timeout}s")
+        time.sleep(0.05)
+    raise TimeoutError(f"fleet not healthy after {timeout}s: "
+                       f"{[(s['slot'], s['state'], s['generation'], s['last_error']) for s in slots]}")
 
 
 def run_one(n: int, args, policy: str | None = None) -> dict:
@@ -180,6 +183,7 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
     cfg = config(n, args, policy)
     svc = LocalService(cfg, port=free_port(), log=lambda *_: None, proxy="haproxy")
     row: dict = {"engines": n, "replicas": args.replicas, "policy": policy or "sticky_least_loaded"}
+    cleanup: list = []
     t0 = time.perf_counter()
     svc.start()
     try:
@@ -221,7 +225,7 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
         shutil.copy(Path(cfg.engine.resolved_model()) / "model.safetensors", ckpt / "model.safetensors")
         trainer = TrainerClient(svc.controller, timeout_s=120)
         reports = [trainer.refit(f"s{n}-{i}", str(ckpt), transport="path") for i in range(args.refits)]
-        shutil.rmtree(ckpt, ignore_errors=True)
+        cleanup.append(lambda: shutil.rmtree(ckpt, ignore_errors=True))  # replacements load from it
         row["refit_stall_ms"] = 1e3 * statistics.median(r["stall_s"] for r in reports)
         row["refit_control_ms"] = 1e3 * statistics.median(r["control_s"] for r in reports)
 
@@ -233,14 +237,16 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
 
         # heal: 1, then 8 engines killed at once
         for k in (1, min(8, n)):
-            pids = [s["pid"] for s in engine_stats(svc.fleet)][:k]
-            for pid in pids:
+            slots = ray.get(svc.fleet.stats.remote(), timeout=120)["slots"]
+            victims = [(s["index"], s["pid"]) for s in engine_stats(svc.fleet)][:k]
+            for _, pid in victims:
                 os.kill(pid, signal.SIGKILL)
-            time.sleep(0.2)
-            row[f"heal_{k}_s"] = wait_healthy(svc.fleet, n) + 0.2
+            row[f"heal_{k}_s"] = wait_healthy(svc.fleet, n, replaced={i: slots[i]["generation"] for i, _ in victims})
         return row
     finally:
         svc.stop()
+        for step in cleanup:
+            step()
 
 
 def table(rows: list[dict], routing: bool) -> str:
