@@ -448,6 +448,6 @@ def create_engine_actor(
         from rollout_service.engine.simulated import SimulatedEngine
 
         # The model path resolved here: building the default tiny model would import torch in the engine.
-        config = config.model_copy(update={"model": config.resolved_model()})
-        return ray.remote(SimulatedEngine).options(**opts).remote(config, index, initial_weight_version)
+        return ray.remote(SimulatedEngine).options(**opts).remote(config, index, initial_weight_version,
+                                                                   config.resolved_model())
     return ray.remote(EngineReplica).options(**opts).remote(config, index, initial_weight_version)

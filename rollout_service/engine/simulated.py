@@ -241,8 +241,10 @@ class SimulatedEngine:
     """The engine actor's public interface (see :class:`~rollout_service.engine.replica.EngineReplica`)
     over the timing model above. Run it with ``create_engine_actor`` and ``engine.backend: simulated``."""
 
-    def __init__(self, config: EngineConfig, index: int = 0, initial_weight_version: str = "0"):
+    def __init__(self, config: EngineConfig, index: int = 0, initial_weight_version: str = "0",
+                 model_path: str | None = None):
         self.config = config
+        self._model_path = model_path or config.model  # resolved by the creator (None: resolved here)
         self.index = index
         self._version = initial_weight_version
         self._started = False
@@ -268,7 +270,7 @@ class SimulatedEngine:
     async def start(self) -> float:
         if not self._started:
             t0 = time.perf_counter()
-            model = self.config.resolved_model()
+            model = self._model_path or self.config.resolved_model()
             self._vocab = _sample_vocab(model)
             self._worker = SimulatedWorker(model)
             sim = self.config.sim
@@ -558,7 +560,7 @@ class SimulatedEngine:
         return {"node_id": ray.get_runtime_context().get_node_id(), "processes": [(me.pid, me.create_time())]}
 
     def tokenizer_path(self) -> str:
-        return self.config.resolved_model()
+        return self._model_path or self.config.resolved_model()
 
     def engine_config(self) -> dict[str, Any]:
         """The config this engine runs (a restarted fleet adopting it takes it over)."""
