@@ -181,7 +181,7 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
     from rollout_service.store.embedded import EmbeddedRedis  # noqa: F401 - the service starts it
 
     cfg = config(n, args, policy)
-    svc = LocalService(cfg, port=free_port(), log=lambda *_: None, proxy="haproxy")
+    svc = LocalService(cfg, port=args.port, log=lambda *_: None, proxy="haproxy")  # one port: Serve keeps its first
     row: dict = {"engines": n, "replicas": args.replicas, "policy": policy or "sticky_least_loaded"}
     cleanup: list = []
     t0 = time.perf_counter()
@@ -291,6 +291,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-capacity-tokens", type=int, default=350_000)
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
+    args.port = free_port()
 
     from rollout_service.ops.runtime import apply_local_env, shutdown_local_ray
 
