@@ -111,7 +111,8 @@ class EngineConfig(_Strict):
         "the worker (mp executor): slower start, more memory. No effect on a GPU engine's executor (TP 1: uni; TP > 1: "
         "ray, set by this service).",
     )
-    num_cpus_per_engine: float = Field(1.0, ge=0, description="Ray CPUs reserved per engine actor.")
+    num_cpus_per_engine: float = Field(
+        1.0, ge=0, description="Ray CPUs reserved per engine actor (backend simulated: 0 unless given).")
     placement_strategy: Literal["STRICT_PACK", "PACK"] = Field(
         "STRICT_PACK",
         description="Strategy of each engine's placement group (one per engine; on cuda one {GPU: 1} bundle per "
@@ -170,6 +171,14 @@ class EngineConfig(_Strict):
         if self.served_model_name:
             return self.served_model_name
         return Path(self.resolved_model()).name or self.resolved_model()
+
+    @model_validator(mode="after")
+    def _simulated_engines_reserve_no_cpu(self) -> "EngineConfig":
+        """A simulated engine is a light process: unless num_cpus_per_engine is given, it reserves no
+        Ray CPU (64 of them must fit a laptop's Ray)."""
+        if self.backend == "simulated" and "num_cpus_per_engine" not in self.model_fields_set:
+            self.num_cpus_per_engine = 0.0
+        return self
 
     @field_validator("bundle_resources")
     @classmethod
