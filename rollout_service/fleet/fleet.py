@@ -100,7 +100,10 @@ class EngineFleet(CurrentWeights):
 
     def _reset_slots(self) -> None:
         ec = self.config.engine
+        before = [h.generation for h in self.health.slots] if hasattr(self, "health") else []
         self.health = FleetHealth(ec.num_engines, health_policy(self.config.fleet), current_version=BASE_VERSION)
+        for h, generation in zip(self.health.slots, before):
+            h.generation = generation + 1  # engine names (<fleet>-engine-<slot>-g<generation>) are never reused
         self.slots = [_Slot() for _ in range(ec.num_engines)]
         self.weights = WeightsRecord(version=BASE_VERSION, path=ec.resolved_model())
 
@@ -532,10 +535,8 @@ class EngineFleet(CurrentWeights):
             return
         async with self._start_lock:
             if not self._adopted:
-                try:
-                    await self._adopt()
-                finally:
-                    self._adopted = True
+                await self._adopt()  # raises: the next call tries again (never a second set of engines)
+                self._adopted = True
 
     async def _adopt(self) -> None:
         """Take over the live engines of the previous incarnation, found by name: their slot,
@@ -556,6 +557,7 @@ class EngineFleet(CurrentWeights):
             if slot >= len(self.slots):
                 for name in generations.values():
                     _kill_named(name)
+                _remove_named_placement(placement_name(self._name, slot))
                 continue
             newest = max(generations)
             for gen, name in generations.items():
@@ -596,6 +598,8 @@ class EngineFleet(CurrentWeights):
         for i in range(len(self.slots)):
             if i not in adopted:  # a fresh engine there is named past every generation seen in the slot
                 self.health.slots[i].generation = max(found.get(i, {-1: None})) + 1
+                # its placement group (kept across replacements) is reused, not reserved twice by name
+                self.slots[i].placement = adopt_engine_placement(self.config.engine, placement_name(self._name, i))
         if adopted:
             self._started = True
             self._startup_s = 0.0
@@ -655,6 +659,26 @@ def _named_dependents(fleet: str | None) -> list[Any]:
         return [ray.get_actor(fleet[: -len("-fleet")] + "-refit", namespace=FLEET_NAMESPACE)]
     except ValueError:
         return []
+
+
+def _remove_named_placement(name: str | None) -> None:
+    if not name:
+        return
+    try:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(ray.util.get_placement_group(name))
+    except Exception:  # none by that name
+        pass
+
+
+def kill_named_engines(fleet: str) -> int:
+    """Kill every engine actor named by ``fleet`` (an operator's or a launcher's last resort when the
+    fleet itself could not stop them); returns how many were found."""
+    names = [name for generations in _named_engines(fleet).values() for name in generations.values()]
+    for name in names:
+        _kill_named(name)
+    return len(names)
 
 
 def _kill_named(name: str) -> None:

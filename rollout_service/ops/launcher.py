@@ -144,6 +144,10 @@ class LocalService:
                         pass
                     ray.kill(actor)
                     setattr(self, attr, None)
+                    if attr == "fleet":  # its engines are detached: any the fleet could not stop go now
+                        from rollout_service.fleet.fleet import fleet_name, kill_named_engines
+
+                        kill_named_engines(fleet_name(self.config.service.instance_name))
         finally:
             if self.redis is not None:
                 self.redis.stop()

@@ -74,6 +74,12 @@ class RefitController(NcclRounds):
 
     async def start(self) -> float:
         """Wait until the fleet has started its engines (idempotent). Returns the fleet's start-up seconds."""
+        try:
+            await asyncio.wait_for(self.fleet.view.remote(), self.config.refit.step_timeout_s)
+        except Exception as exc:
+            if not is_actor_dead(exc):
+                raise
+            self._fleet = None  # killed for good and created again: look it up (or create it) by name
         await self._after_restart()
         async with self._start_lock:
             startup = await self.fleet.start.remote()
@@ -112,6 +118,16 @@ class RefitController(NcclRounds):
         stats = await asyncio.wait_for(self.fleet.stats.remote(), timeout)
         view = await asyncio.wait_for(self.fleet.view.remote(), timeout)
         current = stats["weight_version"]
+        healths = await asyncio.gather(*[asyncio.wait_for(m.handle.health.remote(), timeout) for m in view.members],
+                                       return_exceptions=True)
+        left = stats.get("refitting") or any(
+            isinstance(h, BaseException) or h.get("paused") or h.get("weight_version") != current for h in healths)
+        if not left:  # died between refits: nothing to undo (and nothing to reload: NCCL engines keep theirs)
+            self.weight_version = current
+            if current not in self._version_history:
+                self._version_history.append(current)
+            return {"version": current, "engines": len(view.members), "rolled_back": 0, "relabelled": 0,
+                    "replaced": 0, "rolled_forward": None}
         nccl = self.config.refit.backend == "nccl"
 
         async def one(m: Member):
@@ -120,7 +136,8 @@ class RefitController(NcclRounds):
                                                                     timeout=timeout), timeout)
             if not nccl:
                 await asyncio.wait_for(e.collective_rpc.remote("rs_discard_staged", timeout=timeout), timeout)
-            return bool(nccl or any(r.get("reloaded") for r in rolled if r)), await e.weight_version.remote()
+            return (bool(nccl or any(r.get("reloaded") for r in rolled if r)),
+                    await asyncio.wait_for(e.weight_version.remote(), timeout))
 
         results = await asyncio.gather(*[one(m) for m in view.members], return_exceptions=True)
         done: dict[str, Any] = {"version": current, "engines": len(view.members), "rolled_back": 0,
