@@ -13,6 +13,9 @@ import ray.exceptions as rex
 
 from rollout_service.engine.types import EngineLost
 
+FLEET_NAMESPACE = "rollout-service"  # the namespace of the fleet, its engines and the refit controller
+BASE_VERSION = "0"  # the label of the model's own weights
+
 
 @dataclass(frozen=True)
 class Member:

@@ -145,7 +145,8 @@ class LocalService:
                     ray.kill(actor)
                     setattr(self, attr, None)
                     if attr == "fleet":  # its engines are detached: any the fleet could not stop go now
-                        from rollout_service.fleet.fleet import fleet_name, kill_named_engines
+                        from rollout_service.fleet.adoption import kill_named_engines
+                        from rollout_service.fleet.fleet import fleet_name
 
                         kill_named_engines(fleet_name(self.config.service.instance_name))
         finally:
