@@ -246,6 +246,86 @@ def test_a_killed_controller_is_restarted_and_a_refit_it_left_half_done_ends_wit
     assert asyncio.run(_rollouts(base, "ck", 20, failures)) == 20 and failures == []
 
 
+# (method, when, the step the refit reports): each fault hits one engine of the fleet.
+REFIT_FAULTS = [
+    ("pause", "after", "pause"),                   # the pause landed, the call failed: a partial pause
+    ("pause", "before", "pause"),
+    ("rs_stage_path", "before", "transfer"),
+    ("rs_load_staged", "after", "load"),           # loaded, then failed: rolled back
+    ("set_weight_version", "after", "label"),      # relabelled, then failed
+    ("rs_commit", "before", None),                 # past the point of no return: rolled forward
+    ("resume", "before", None),                    # committed, one engine left paused: the fleet resumes it
+]
+
+
+def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_resumed_on_one_version(
+        heal_app, tiny_model_dir, tmp_path):
+    """One failure path for every step: a fault injected into one engine of the fleet (the call
+    raises before or after doing its work), or one engine stalled by SIGSTOP during the pause. The
+    refit fails with the step named, every engine ends unpaused on the previous weights and
+    version; a fault past the point of no return (commit, resume) leaves the refit committed, every
+    engine unpaused on the new version. The next refit and rollouts work."""
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.controller import controller_name, get_controller
+    from rollout_service.refit.types import RefitFailed
+
+    base, fleet = heal_app
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(tiny_model_dir / "model.safetensors", ckpt / "model.safetensors")
+    trainer = TrainerClient(get_controller(controller_name(APP)), timeout_s=60)
+
+    def settled(version):
+        states = _engine_states(fleet)
+        return {(p, v) for _, p, v in states.values()} == {(False, version)} and len(states) == ENGINES
+
+    for i, (method, when, step) in enumerate([*REFIT_FAULTS, ("SIGSTOP", "during", "pause")]):
+        version = trainer.stats()["weight_version"]
+        sums = sorted(trainer.weights_checksums())
+        victim = ray.get(fleet.view.remote(), timeout=60).members[1]
+        pid = None
+        if method == "SIGSTOP":
+            pid = ray.get(victim.handle.health.remote(), timeout=60)["pid"]
+            os.kill(pid, signal.SIGSTOP)
+        else:
+            ray.get(victim.handle.inject_fault.remote(method, when), timeout=60)
+        t0 = time.monotonic()
+        if step is None:
+            report = trainer.refit(f"f{i}", str(ckpt), transport="path", timeout_s=3)
+            assert report["ok"] and f"{method.removeprefix('rs_')} failed" in report["error"], report
+            assert report["commit_failed"] == ([victim.slot] if method == "rs_commit" else [])
+            waited = _wait(lambda: settled(f"f{i}") and time.monotonic() - t0, 30,
+                           f"{method} {when}: an engine was left paused or on another version")
+            assert len(set(trainer.weights_checksums())) == 1
+            assert ray.get(fleet.stats.remote(), timeout=60)["weight_version"] == f"f{i}"
+            print(f"{method} {when}: committed f{i}, all serving it unpaused after {waited:.2f}s")
+            continue
+        try:
+            with pytest.raises(RefitFailed) as err:
+                trainer.refit(f"f{i}", str(ckpt), transport="path", timeout_s=3)
+        finally:
+            if pid is not None:
+                os.kill(pid, signal.SIGCONT)
+        report = err.value.report
+        failed_in = time.monotonic() - t0
+        assert report["failed_step"] == step, (method, when, report)
+        assert not report["ok"] and report["engines_lost"] == [], (method, report)
+        # Resumed by the refit's own way out, or (an engine that refused its resume, or one whose
+        # pause landed after the refit gave up) by the fleet within fleet.resume_unbracketed_pause_s.
+        waited = _wait(lambda: settled(version) and time.monotonic() - t0, 30,
+                       f"{method} {when}: an engine was left paused or on another version")
+        print(f"{method} {when}: failed at {report['failed_step']} in {failed_in:.2f}s, "
+              f"all resumed on {version} after {waited:.2f}s")
+        assert sorted(trainer.weights_checksums()) == sums
+        assert ray.get(fleet.stats.remote(), timeout=60)["refitting"] is False
+
+    report = trainer.refit("after-faults", str(ckpt), transport="path")
+    assert report["ok"] and len(report["engines"]) == ENGINES
+    assert settled("after-faults")
+    failures: list = []
+    assert asyncio.run(_rollouts(base, "rf", 20, failures)) == 20 and failures == []
+
+
 def test_a_fleet_killed_for_good_is_created_again_by_the_data_plane_and_adopts_the_engines(heal_app):
     """ray.kill without restart: no Ray restart comes. The app's replica finds the fleet dead for
     good, creates it again by name, and the new fleet adopts the running engines; meanwhile

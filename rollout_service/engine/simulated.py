@@ -265,6 +265,7 @@ class SimulatedEngine:
         self._vocab = 2
         self._cache: _PrefixCache | None = None
         self.stats = {"steps": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+        self._faults: dict[str, list] = {}  # control-plane method -> [when, calls left] (inject_fault)
 
     # ----------------------------------------------------------------- life cycle
     async def start(self) -> float:
@@ -468,12 +469,40 @@ class SimulatedEngine:
         if seq is not None:
             self._finish(seq, "abort")
 
+    # -------------------------------------------------------------- fault injection
+    FAULTABLE = ("pause", "resume", "set_weight_version", "rs_stage_path", "rs_load_staged", "rs_commit",
+                 "rs_rollback", "rs_discard_staged")
+
+    def inject_fault(self, method: str, when: str = "after", times: int = 1) -> None:
+        """Make the next ``times`` calls of a control-plane ``method`` (:attr:`FAULTABLE`; the
+        ``rs_*`` names are worker methods reached through ``collective_rpc``) raise a RuntimeError,
+        ``before`` doing their work or ``after`` it (the call took effect, the caller sees an error):
+        the faults a refit's failure path must survive, for drills and tests. ``times=0`` clears it."""
+        if method not in self.FAULTABLE:
+            raise ValueError(f"can inject faults into {', '.join(self.FAULTABLE)}; got {method!r}")
+        if when not in ("before", "after"):
+            raise ValueError(f"when must be before or after, got {when!r}")
+        if times > 0:
+            self._faults[method] = [when, times]
+        else:
+            self._faults.pop(method, None)
+
+    def _fault(self, method: str, when: str) -> None:
+        fault = self._faults.get(method)
+        if fault is None or fault[0] != when:
+            return
+        fault[1] -= 1
+        if fault[1] <= 0:
+            del self._faults[method]
+        raise RuntimeError(f"injected fault: {method} failed {when} its work on engine {self.index}")
+
     # -------------------------------------------------------------- control plane
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> float:
         """keep: in-flight sequences freeze until resume; wait: they finish first; abort: they end."""
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode must be keep, wait or abort, got {mode!r}")
         self._check_started()
+        self._fault("pause", "before")
         t0 = time.perf_counter()
         if mode == "wait":
             while self._waiting or self._running:
@@ -484,12 +513,15 @@ class SimulatedEngine:
             for seq in [*self._waiting, *self._running]:
                 self._finish(seq, "abort")
         self._paused = True
+        self._fault("pause", "after")
         return time.perf_counter() - t0
 
     async def resume(self) -> float:
         self._check_started()
+        self._fault("resume", "before")
         self._paused = False
         self._resumed.set()
+        self._fault("resume", "after")
         return 0.0
 
     async def is_paused(self) -> bool:
@@ -497,7 +529,9 @@ class SimulatedEngine:
 
     async def set_weight_version(self, version: str) -> None:
         self._check_started()
+        self._fault("set_weight_version", "before")
         self._version = version
+        self._fault("set_weight_version", "after")
 
     def weight_version(self) -> str:
         return self._version
@@ -508,8 +542,11 @@ class SimulatedEngine:
         fn = getattr(self._worker, method, None) if method.startswith("rs_") else None
         if fn is None:
             raise NotImplementedError(f"the simulated engine has no worker method {method!r}")
+        self._fault(method, "before")
         call = asyncio.to_thread(fn, *args, **(kwargs or {}))
-        return [await (asyncio.wait_for(call, timeout) if timeout else call)]
+        result = [await (asyncio.wait_for(call, timeout) if timeout else call)]
+        self._fault(method, "after")
+        return result
 
     async def reset_prefix_cache(self) -> bool:
         self._cache.blocks.clear()

@@ -448,9 +448,10 @@ class RefitController(NcclRounds):
             t0 = time.perf_counter()
             labelled = True
             await asyncio.wait_for(asyncio.gather(*[e.set_weight_version.remote(version) for e in engines]), timeout)
-            await asyncio.wait_for(
-                asyncio.gather(*[e.collective_rpc.remote("rs_commit", timeout=timeout) for e in engines]), timeout
-            )
+            # Every engine holds the new weights under the new label: from here the refit rolls
+            # forward. A commit only releases the backup; one that fails is reported, not undone.
+            step = "commit"
+            await self._commit(view, timeout, report)
             self.weight_version = version
             self._version_history.append(version)
             label_s = time.perf_counter() - t0
@@ -467,8 +468,32 @@ class RefitController(NcclRounds):
         report.requests_aborted = max(0, await self._sum(engines, "num_aborted", timeout) - aborted_before)
         if report.engines_lost:
             lost = ", ".join(map(str, report.engines_lost))
-            report.error = f"engine slot(s) {lost} died during the refit (the fleet replaces them); {report.error}"
+            report.error = "; ".join(filter(None, [f"engine slot(s) {lost} died during the refit (the fleet replaces them)",
+                                                   report.error]))
         return report
+
+    async def _commit(self, view: FleetView, timeout, report) -> None:
+        """Release every engine's backup of the previous weights. Past the point of no return: an
+        engine whose commit fails still serves the new weights under the new label (its stale backup
+        is released by its next load); one that died is replaced by the fleet on the new version."""
+        results = await asyncio.gather(
+            *[asyncio.wait_for(m.handle.collective_rpc.remote("rs_commit", timeout=timeout), timeout)
+              for m in view.members],
+            return_exceptions=True)
+        failed = []
+        for m, r in zip(view.members, results):
+            if not isinstance(r, BaseException):
+                continue
+            if is_engine_death(r):
+                report.engines_lost.append(m.slot)
+                await self.fleet.report_failure.remote(m.slot, m.generation, f"{type(r).__name__}: during a refit",
+                                                       is_actor_dead(r))
+            else:
+                report.commit_failed.append(m.slot)
+                failed.append(f"engine slot {m.slot}: {short_error(r)}")
+        if failed:
+            report.error = "commit failed (rolled forward: every engine holds the new weights): " + "; ".join(failed)
+            logger.warning("refit to %s: %s", report.version, report.error)
 
     async def _recover(self, view: FleetView, previous, load_attempted, labelled, timeout, report) -> bool:
         """Back to the previous weights and label on every surviving engine. An engine that died
@@ -514,16 +539,18 @@ class RefitController(NcclRounds):
         )
         errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException) and not is_engine_death(r)]
         if errors:
-            report.ok = False
-            report.failed_step = report.failed_step or "resume"
-            report.error = (report.error + "; " if report.error else "") + "resume failed: " + "; ".join(errors)[:500]
+            # Not a reason to undo anything: a committed refit stays committed (the fleet resumes an
+            # engine left paused outside a refit after fleet.resume_unbracketed_pause_s).
+            report.error = (report.error + "; " if report.error else "") + (
+                "resume failed (the fleet resumes the engine): " + "; ".join(errors))[:600]
         report.resume_s = time.perf_counter() - t0
 
     @staticmethod
     async def _sum(engines, method: str, timeout: float) -> int:
-        """Sum over the engines that answer (a dead one counts 0: the refit notices it elsewhere)."""
-        values = await asyncio.wait_for(
-            asyncio.gather(*[getattr(e, method).remote() for e in engines], return_exceptions=True), timeout)
+        """Sum over the engines that answer within ``timeout`` (a dead or stalled one counts 0: the
+        refit notices it elsewhere)."""
+        values = await asyncio.gather(*[asyncio.wait_for(getattr(e, method).remote(), timeout) for e in engines],
+                                      return_exceptions=True)
         return int(sum(v for v in values if isinstance(v, int)))
 
     async def shutdown(self) -> None:

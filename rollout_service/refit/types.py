@@ -34,6 +34,7 @@ class RefitReport:
     worker_timings: list[dict[str, Any]] = field(default_factory=list)
     engines: list[int] = field(default_factory=list)  # fleet slots of the engines the refit ran over
     engines_lost: list[int] = field(default_factory=list)  # of which: died during the refit
+    commit_failed: list[int] = field(default_factory=list)  # loaded + labelled, backup not released: rolled forward
 
     @property
     def transfer_gbps(self) -> float:

@@ -217,6 +217,7 @@ class RolloutWorkerExtension:
         if staged is None:
             raise RuntimeError("nothing staged to load")
         self._rs_staged = None
+        self._rs_drop(self._rs_previous)  # a backup left by a commit that failed (the refit rolled forward)
         self._rs_previous, self._rs_current = self._rs_current, staged
         t0 = time.perf_counter()
         if fail_after_tensors is not None:
