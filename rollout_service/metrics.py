@@ -126,6 +126,9 @@ METRICS: tuple[MetricDef, ...] = (
        ("fleet",), source="fleet"),
     _m("engine_pin_moves_total", "counter", "Rollouts moved off a live engine by routing.policy "
        "sticky_least_loaded (its engine was more than routing.load_margin requests above the least loaded).", ()),
+    _m("turn_migrations_total", "counter", "Calls whose engine died mid-generation, by outcome: continued "
+       "(on another engine, from the ids generated so far) or refused (a grammar or presence / frequency "
+       "penalties: answered 503 engine_lost).", ("outcome",)),
     _m("weight_version", "gauge", "Info-style: 1 with the weight version the fleet serves as label `version`.",
        ("fleet", "version"), source="fleet"),
     # ---- refit controller
@@ -361,6 +364,9 @@ class ServiceMetrics:
             counts[s] = counts.get(s, 0) + 1
         for state, n in counts.items():
             self._gauge("rollout_service_engines", n, fleet, state)
+
+    def migration(self, outcome: str) -> None:
+        self.series("rollout_service_turn_migrations_total", outcome).record(1)
 
     def pin_moved(self) -> None:
         self.series("rollout_service_engine_pin_moves_total").record(1)

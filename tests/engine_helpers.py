@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from rollout_service.engine.types import GenerateRequest
+from rollout_service.engine.types import GenerateRequest, spans_up_to
 from rollout_service.engine.sampling import SamplingOptions
 
 
@@ -18,13 +18,18 @@ async def stream_generation(actor, prompt_ids, *, seed, max_tokens, temperature=
     ids: list[int] = []
     lps: list[float] = []
     last = None
+    spans_seen = []  # (ids so far, the chunk's spans): each must be the final spans cut there
     async for ref in actor.generate.options(num_returns="streaming").remote(req):
         chunk = await ref
         ids += chunk.token_ids
         lps += chunk.logprobs
         last = chunk
+        spans_seen.append((len(ids), chunk.weight_versions))
         if on_chunk is not None:
             on_chunk(chunk)
+    if last is not None and last.finish_reason not in (None, "abort"):
+        for n, spans in spans_seen:
+            assert spans is not None and [tuple(s) for s in spans] == spans_up_to(last.weight_versions, n), (n, spans)
     return ids, lps, last
 
 

@@ -73,3 +73,84 @@ async def test_killed_engine_loses_no_turn_and_comes_back_on_the_current_weights
     sums = await rig.checksums_by_slot()
     assert sums[0] == sums[1] != before[0]
     assert await rig.versions_by_slot() == {0: "death-2", 1: "death-2"}
+
+
+async def test_turns_whose_engine_dies_mid_generation_continue_on_the_other_engine(fleet_rig, tiny_model_dir):
+    """Three calls in flight on one engine, killed (kill -9) once the streamed one has passed on 8
+    tokens: the streamed call continues on the other engine from its prompt + those tokens (one
+    unbroken stream, the stored turn equal to it, logprobs equal to a float32 forward across the
+    seam, `migrations: 1`), the non-streamed one (nothing passed on yet) runs again there, and the
+    streamed one whose sampling cannot be continued exactly (presence penalty) answers 503
+    engine_lost naming why. The next turn of the migrated rollout continues its tokens exactly."""
+    from engine_helpers import hf_sampled_logprobs, load_hf_model
+    from fleet_helpers import run_events, turn_request
+
+    rig = fleet_rig
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    await rig.wait_serving(2)
+    report = await asyncio.to_thread(rig.trainer.refit, "mig-base", base, transport="object_store")
+    assert report["ok"]  # the model's own weights again: the float32 forward below is the reference
+    pids = await rig.member_pids()
+    view = await rig.view()
+    victim = view.members[1]
+    runner = rig.runner
+    rids = {kind: new_rid(f"mig-{kind}") for kind in ("stream", "plain", "penalty")}
+    for rid in rids.values():
+        runner.fleet.pins[rid] = victim.key  # all three start on the victim
+    messages = {kind: [{"role": "user", "content": f"{rid}: write a long list"}] for kind, rid in rids.items()}
+    passed: list[int] = []
+    killed = {}
+
+    def on_stream(event):
+        if event["kind"] == "delta":
+            passed.extend(event["token_ids"])
+        if len(passed) >= 8 and not killed:
+            killed["at"] = list(passed)
+            kill_pid(pids[victim.slot])
+
+    def req(kind, **extra):
+        r = turn_request(rids[kind], messages[kind], seed=41, stream=kind != "plain", max_tokens=160)
+        r.sampling.update(extra)
+        return r
+
+    penalty_events: list[dict] = []
+    stream_events, plain_events, penalty_events = await asyncio.gather(
+        run_events(runner, req("stream"), on_stream), run_events(runner, req("plain")),
+        run_events(runner, req("penalty", presence_penalty=0.5)))
+    assert killed, "the streamed call ended before the kill"
+
+    # Streamed: one unbroken answer, continued on the other engine.
+    final = stream_events[-1]
+    assert "__error__" not in final, final
+    gen = final["generation_token_ids"]
+    streamed = [t for e in stream_events[:-1] for t in e["token_ids"]]
+    assert streamed == gen and len(gen) == 160 and gen[: len(killed["at"])] == killed["at"]
+    assert final["rollout"]["migrations"] == 1 and final["engine_index"] != victim.slot
+    assert final["weight_versions"] == [{"version": "mig-base", "start": 0, "end": 160}]
+    state = await rig.store.load(rids["stream"])
+    seg = state.segments[0]
+    assert seg.token_ids == final["prompt_token_ids"] + gen and seg.turns[0].migrations == 1
+    assert seg.logprobs[len(final["prompt_token_ids"]):] == final["generation_log_probs"]
+    ref = hf_sampled_logprobs(load_hf_model(str(tiny_model_dir)), final["prompt_token_ids"], gen)
+    worst = max(abs(a - b) for a, b in zip(final["generation_log_probs"], ref))
+    print(f"migrated after {len(killed['at'])} tokens; max |logprob - fp32 forward| over 160 tokens: {worst:.2e}")
+    assert worst <= 1e-4
+
+    # Non-streamed: nothing was passed on, so it ran again on the other engine: answered whole.
+    plain = plain_events[-1]
+    assert "__error__" not in plain and len(plain["generation_token_ids"]) == 160, plain
+    assert "migrations" not in plain["rollout"]
+    await assert_trajectory_exact(rig.store, rids["plain"], [plain])
+
+    # Presence penalty counts generated ids: not continued, the retryable 503 says why; nothing stored.
+    err = penalty_events[-1]
+    assert err.get("__error__") == 503 and "presence" in err["error"]["message"], err
+    assert await rig.store.load(rids["penalty"]) is None
+
+    # The migrated rollout's next turn continues its stored tokens exactly.
+    messages["stream"] += [{"role": "assistant", "content": final["message"]["content"]},
+                           {"role": "user", "content": "and one more"}]
+    nxt = (await run_events(runner, req("stream")))[-1]
+    assert "__error__" not in nxt
+    await assert_trajectory_exact(rig.store, rids["stream"], [final, nxt])
+    await rig.wait_serving(2)  # the victim replaced: the rig is whole for the next test

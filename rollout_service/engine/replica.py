@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 
 from rollout_service.config import EngineConfig
 from rollout_service.engine.channel import ChannelServer
-from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk
+from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk, spans_up_to
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ class EngineReplica:
         """One vLLM request as chunks, one per output vLLM hands over; aborted in vLLM unless it
         finished (the consumer went away, was cancelled, or an error interrupted it)."""
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         llm = self._engine()
         params = request.sampling.to_vllm(max_tokens=request.max_tokens)
@@ -207,11 +208,13 @@ class EngineReplica:
         self._in_flight_started_on[request.request_id] = self._version
         want_top = request.sampling.top_logprobs
         finished = False
+        passed = 0  # ids handed over so far
         try:
             async for out in llm.generate(TokensPrompt(**prompt), params, request.request_id):
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
                 lps, tops = _sampled_logprobs(ids, comp.logprobs, want_top)
+                passed += len(ids)
                 chunk = GenerationChunk(
                     token_ids=ids,
                     logprobs=lps,
@@ -219,6 +222,8 @@ class EngineReplica:
                     weight_version=self._version,
                     num_prompt_tokens=len(request.prompt_ids),
                     engine_index=self.index,
+                    weight_versions=None if output_kind == RequestOutputKind.FINAL_ONLY
+                    else _spans_so_far(llm, request.request_id, passed),
                 )
                 if comp.finish_reason is not None:
                     finished = True
@@ -451,3 +456,18 @@ def create_engine_actor(
         return ray.remote(SimulatedEngine).options(**opts).remote(config, index, initial_weight_version,
                                                                    config.resolved_model())
     return ray.remote(EngineReplica).options(**opts).remote(config, index, initial_weight_version)
+
+
+def _spans_so_far(llm, request_id: str, n: int) -> list[tuple[str, int, int]] | None:
+    """The weight-version spans over the first ``n`` generated ids of a running request, from the
+    record vLLM's output processor keeps per request (the version of the engine step that produced
+    each id; the final output's ``weight_versions`` are built from it). None where this vLLM keeps
+    no such record: the call then carries the spans on its final chunk only."""
+    processor = getattr(llm, "output_processor", None)
+    internal = getattr(processor, "external_req_ids", {}).get(request_id)
+    state = processor.request_states.get(internal[-1]) if internal else None
+    starts = getattr(state, "weight_version_starts", None)
+    if not starts:
+        return None
+    ends = [start for _, start in starts[1:]] + [n]
+    return spans_up_to([(v, s, e) for (v, s), e in zip(starts, ends)], n)

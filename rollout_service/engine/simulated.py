@@ -45,7 +45,7 @@ from rollout_service.config import EngineConfig
 from rollout_service.engine.batching import batched
 from rollout_service.engine.channel import ChannelServer
 from rollout_service.engine.sampling import SamplingParamsError
-from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk
+from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk, spans_up_to
 
 
 def _sample_vocab(model_dir: str) -> int:
@@ -342,6 +342,7 @@ class SimulatedEngine:
         ids: list[int] = []
         lps: list[float] = []
         tops: list[dict[int, float]] | None = [] if s.top_logprobs else None
+        passed = 0  # ids handed over in earlier chunks
         try:
             while True:
                 item = await seq.queue.get()
@@ -360,7 +361,10 @@ class SimulatedEngine:
                     tops.append(top)
                 if final_only or (not seq.queue.empty() and isinstance(seq.queue._queue[0], str)):
                     continue  # the finishing chunk carries the last token, as the real engine's does
-                yield self._chunk(seq, ids, lps, tops)
+                chunk = self._chunk(seq, ids, lps, tops)
+                passed += len(ids)
+                chunk.weight_versions = spans_up_to(seq.spans, passed)
+                yield chunk
                 ids, lps, tops = [], [], None if tops is None else []
         finally:
             if not seq.done:

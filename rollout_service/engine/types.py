@@ -23,7 +23,11 @@ class GenerateRequest:
 
 @dataclass
 class GenerationChunk:
-    """A streamed piece of one generation. ``weight_versions`` is set on the final chunk only."""
+    """A streamed piece of one generation. ``weight_versions``: the spans over every id generated
+    so far, this chunk's included — on the final chunk always, on the others where the engine
+    tracks it (a call that must continue on another engine carries them over exactly).
+    ``migrations``: how many times the call moved to another engine mid-generation (set by the
+    fleet's client)."""
 
     token_ids: list[int]
     logprobs: list[float]  # processed logprob of each sampled id
@@ -35,6 +39,7 @@ class GenerationChunk:
     num_prompt_tokens: int = 0
     engine_index: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (final chunk)
+    migrations: int = 0
 
     @staticmethod
     def concat(chunks: list["GenerationChunk"]) -> "GenerationChunk":
@@ -46,6 +51,11 @@ class GenerationChunk:
             logprobs=[lp for c in chunks for lp in c.logprobs],
             top_logprobs=None if last.top_logprobs is None else [d for c in chunks for d in c.top_logprobs or ()],
         )
+
+
+def spans_up_to(spans, n: int) -> list[tuple[str, int, int]]:
+    """``(version, start, end)`` spans cut to the first ``n`` generated ids."""
+    return [(v, s, min(e, n)) for v, s, e in spans if s < n]
 
 
 class EngineUnavailable(RuntimeError):

@@ -20,7 +20,9 @@ from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from rollout_service.engine.channel import EngineChannel
+from rollout_service.metrics import get_metrics
 from rollout_service.engine.types import GenerateRequest
+from rollout_service.fleet.migration import Progress, unmovable
 from rollout_service.fleet.routing import Route, RoutingPolicy, Sticky
 from rollout_service.fleet.types import (
     EngineLostDuringCall,
@@ -163,38 +165,53 @@ class FleetClient:
                                      stream: bool, routed: list[Route] | None = None) -> AsyncIterator:
         """``request`` on the rollout's pinned engine (pinned at its first call to the least loaded one).
 
-        An engine that dies (killed, crashed, or declared hung and killed by the fleet) before the
-        call has passed on any token is not the caller's problem: the call runs again on another
-        engine from the same prompt ids, each live engine at most once (a non-streaming call passes
-        nothing on until it is done). Once tokens were passed on, :class:`EngineLostDuringCall`.
-        No engine serving: :class:`NoEngineAvailable`. Any other error of the call is raised as is.
-        ``routed``, if given, gets the :class:`Route` of every attempt.
+        An engine that dies (killed, crashed, or declared hung and killed by the fleet) is not the
+        caller's problem: before the call passed on any token, it runs again on another engine from
+        the same prompt ids; after, it continues on another engine from the prompt + the ids passed
+        on so far (:mod:`~rollout_service.fleet.migration`), each live engine tried at most once. A
+        generation that cannot be continued honestly (a grammar, presence / frequency penalties),
+        or no engine left to try: :class:`EngineLostDuringCall`. No engine serving:
+        :class:`NoEngineAvailable`. Any other error of the call is raised as is. ``routed``, if
+        given, gets the :class:`Route` of every attempt.
         """
         attempts = max(2, len(self.members()))  # each live engine once; at least one retry
+        progress = Progress(request)
         for attempt in range(attempts):
             route = self.route(rollout_id)
             member = route.member
             if routed is not None:
                 routed.append(route)
-            if attempt:
+            if attempt and not progress.ids:
                 request = replace(request, request_id=uuid.uuid4().hex)
-            produced = False
             self.acquire(member)
             chunks = self.generate(member, request, stream)
             try:
                 async for chunk in chunks:
-                    produced = True
-                    yield chunk
+                    yield progress.take(chunk)
                 return
             except Exception as exc:
                 if not is_engine_death(exc):
                     raise
                 self.report_lost(member, exc)
-                if not produced and attempt + 1 < attempts:
+                if progress.finished:  # the engine died after its last chunk: nothing is missing
+                    return
+                if attempt + 1 >= attempts:
+                    raise EngineLostDuringCall(member.slot) from None
+                if progress.ids:
+                    reason = unmovable(request)
+                    if reason is not None:
+                        get_metrics().migration("refused")
+                        raise EngineLostDuringCall(member.slot, reason) from None
+                    request = progress.continuation()
+                    get_metrics().migration("continued")
+                    logger.warning("engine slot %d died after %d generated tokens; the call of rollout %s continues "
+                                   "on another engine", member.slot, len(progress.ids), rollout_id)
+                    if request is None:
+                        yield progress.length_end(member.slot)
+                        return
+                else:
                     logger.warning("engine slot %d died; retrying the call of rollout %s on another engine",
                                    member.slot, rollout_id)
-                    continue
-                raise EngineLostDuringCall(member.slot) from None
             finally:
                 self.release(member)
                 await chunks.aclose()

@@ -56,17 +56,20 @@ class NoEngineAvailable(RuntimeError):
 
 
 class EngineLostDuringCall(RuntimeError):
-    """The engine serving a call died after it had passed on tokens (or on every engine tried):
-    nothing of the call was kept; the rollout continues from its stored tokens on a live engine."""
+    """The engine serving a call died and the call could not go on elsewhere (a generation that
+    cannot be continued on another engine, ``reason``; or every engine tried): nothing of the call
+    was kept; the rollout continues from its stored tokens on a live engine."""
 
     status = 503
     error_type = "service_unavailable"
     code = "engine_lost"
 
-    def __init__(self, slot: int):
+    def __init__(self, slot: int, reason: str | None = None):
         super().__init__(f"engine replica {slot} died during the call; nothing was stored, retry the call (the "
-                         "rollout continues on a live engine)")
+                         "rollout continues on a live engine)" + (f"; it could not continue elsewhere: {reason}"
+                                                                  if reason else ""))
         self.slot = slot
+        self.reason = reason
 
 
 def is_engine_death(exc: BaseException) -> bool:

@@ -22,7 +22,7 @@ def trajectory_export(state: RolloutState) -> dict[str, Any]:
             "loss_mask": list(seg.loss_mask),
             "logprobs": list(seg.logprobs),
             "weight_versions": spans,
-            "turns": [{**t.to_dict(), "constrained": t.constrained} for t in seg.turns],
+            "turns": [{**t.to_dict(), "constrained": t.constrained, "migrations": t.migrations} for t in seg.turns],
             "num_messages": len(seg.messages),
         })
     return {"id": state.rollout_id, "object": "rollout", "turns": state.turn, "segments": segments}

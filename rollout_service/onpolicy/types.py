@@ -44,6 +44,9 @@ class TurnRecord:
     # over the tokens the grammar allowed — the true sampling probabilities, but not what a forward
     # pass without the grammar gives. Trainers mask such turns or treat their ratios specially.
     constrained: bool = False
+    # Times the call moved to another engine mid-generation (its engine died): the ids and logprobs
+    # are still exactly what was sampled, the spans name each engine's version.
+    migrations: int = 0
 
     def to_dict(self, *, copy_answer: bool = True) -> dict[str, Any]:
         """JSON-ready; optional fields that are None are left out, so a record without replay data
@@ -68,6 +71,8 @@ class TurnRecord:
             d["answer"] = copy.deepcopy(self.answer) if copy_answer else self.answer
         if self.constrained:
             d["constrained"] = True
+        if self.migrations:
+            d["migrations"] = self.migrations
         return d
 
     @classmethod

@@ -51,6 +51,7 @@ from rollout_service.serve.constraints import (
 from rollout_service.serve.dialects.common import optional_rollout_id
 from rollout_service.serve.errors import engine_refusal, http_error, key_reused
 from rollout_service.serve.reads import RolloutReads
+from rollout_service.serve.seams import SeamStops
 from rollout_service.serve.streaming import StreamParser
 from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnRequest, TurnResult
 from rollout_service.store.base import StoreError
@@ -359,6 +360,7 @@ class TurnRunner(RolloutReads):
             delta.record.idempotency_key = req.idempotency_key
             delta.record.answer = stored_answer(message, stop_reason=final_chunk.stop_reason)
             delta.record.constrained = constrained
+            delta.record.migrations = final_chunk.migrations
         if rollout_id is not None:
             await self._append(rollout_id, delta, expected_turn)
         get_metrics().turn("monotonic" if plan.monotonic else "fork", plan.conflict.field if plan.conflict else None)
@@ -368,7 +370,8 @@ class TurnRunner(RolloutReads):
             weight_versions=[{"version": v, "start": s, "end": e} for v, s, e in (final_chunk.weight_versions or [])],
             rollout={"id": rollout_id, "turn": delta.turn, "segment": delta.segment_index, "monotonic": plan.monotonic,
                      "constrained": constrained, "replayed": False,
-                     **({"engine_moved": True} if any(r.moved for r in routed) else {})}
+                     **({"engine_moved": True} if any(r.moved for r in routed) else {}),
+                     **({"migrations": final_chunk.migrations} if final_chunk.migrations else {})}
             if rollout_id is not None else None,
             engine_index=final_chunk.engine_index,
             token_strs=self.token_strs(ids, tops) if req.want_token_strs else None,
@@ -439,8 +442,14 @@ class TurnRunner(RolloutReads):
         request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens)
         routed = [] if routed is None else routed
         chunks = self.fleet.generate_with_failover(rollout_id, request, stream, routed=routed)
+        seams = SeamStops(self.tokenizer, sampling.stop, sampling.skip_special_tokens) if sampling.stop else None
         try:
             async for chunk in chunks:
+                if seams is not None:
+                    passed = seams.feed(chunk)
+                    if passed is not chunk:  # a stop string across a migration seam ends it here
+                        yield passed
+                        return  # (closing the call aborts the rest in the engine)
                 yield chunk
         except (NoEngineAvailable, EngineLostDuringCall) as exc:
             raise http_error(exc) from None
