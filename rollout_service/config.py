@@ -254,6 +254,15 @@ class StoreConfig(_Strict):
     )
     ttl_seconds: int = Field(7 * 24 * 3600, ge=1, description="Expiry of a rollout's keys, refreshed on every turn.")
     key_prefix: str = Field("ro", description="Prefix of every key; keys are hash-tagged by rollout id.")
+    timeout_s: float = Field(
+        5.0, gt=0, description="Longest a store command waits for Redis's answer (a stalled or unreachable Redis): the "
+        "turn then answers 503 store_unavailable, nothing stored, its rollout free for the retry. A call waits at most "
+        "about (store.retries + 1) x this per store operation.")
+    connect_timeout_s: float = Field(2.0, gt=0, description="Longest a new connection to Redis may take.")
+    retries: int = Field(
+        2, ge=0, description="Times a store command that failed on a connection error or a timeout is sent again "
+        "(exponential backoff with jitter; appends carry an id, so one that had landed is not applied twice).")
+    retry_backoff_cap_s: float = Field(0.5, ge=0, description="Longest backoff between two tries of a store command.")
 
 
 class ServiceConfig(_Strict):

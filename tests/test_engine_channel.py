@@ -172,3 +172,45 @@ async def test_a_lost_connection_fails_its_calls_and_the_next_call_reconnects():
         await asyncio.sleep(0.1)  # the server's port is closed now
     with pytest.raises(EngineLost):
         await asyncio.wait_for(_collect(FleetClient(None, FleetView(3, "0", (nobody,))), nobody, _request(9), False), 20)
+
+
+async def test_both_ends_of_a_channel_connection_use_tcp_keepalive():
+    """A peer whose machine or network dies without closing the socket is found by TCP keepalive
+    (the channel's idle / interval / count), not never: set on the engine's and the client's end."""
+    import socket
+
+    from rollout_service.engine import channel as ch
+
+    accepted: list = []
+
+    async def one(request):
+        yield None  # pragma: no cover
+
+    async def whole(request):
+        return None  # pragma: no cover
+
+    server = ChannelServer(one, whole)
+    address = await server.start("127.0.0.1")
+    real_serve = server._serve
+
+    async def spy(reader, writer):
+        accepted.append(writer.get_extra_info("socket"))
+        await real_serve(reader, writer)
+
+    server._server.close()
+    server._server = await asyncio.start_server(spy, "127.0.0.1", address.port)
+    channel = ch.EngineChannel(address)
+    try:
+        await channel._ensure()
+        deadline = asyncio.get_running_loop().time() + 5
+        while not accepted:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        for sock in (channel._writer.get_extra_info("socket"), accepted[0]):
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == ch.KEEPALIVE_IDLE_S
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == ch.KEEPALIVE_INTERVAL_S
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == ch.KEEPALIVE_COUNT
+    finally:
+        channel.close()
+        server.close()

@@ -94,6 +94,7 @@ async def test_stored_keys_are_exactly_the_documented_layout(store):
     assert [k.decode() for k in found] == sorted(store.keys_for("r", 2))
     meta = await store.client.hgetall(store.meta_key("r"))
     born = meta.pop(b"born")
+    assert len(meta.pop(b"aid")) == 16
     assert meta == {b"turn": b"3", b"nseg": b"2", b"v": b"1"}
     assert len(born) == 16 and born.decode() == (await store.load("r")).incarnation
 
@@ -262,3 +263,87 @@ async def test_same_code_runs_on_a_redis_cluster(cluster_url):
     assert await s.delete("clustered") is True and await s.load("clustered") is None
     assert await s.ping() is True
     await s.close()
+
+
+def _deadline_store(url: str, **store) -> RedisRolloutStore:
+    from rollout_service.config import StoreConfig
+
+    return RedisRolloutStore.from_config(StoreConfig.model_validate({"redis_url": url, **store}))
+
+
+async def test_a_stalled_redis_answers_store_unavailable_within_the_configured_deadline(tmp_path):
+    """SIGSTOP the redis-server: every operation fails with StoreUnavailable after about
+    (store.retries + 1) x store.timeout_s, never hangs; after SIGCONT the same store works."""
+    server = EmbeddedRedis(tmp_path / "stalled")
+    url = server.start()
+    s = _deadline_store(url, timeout_s=0.4, retries=1, retry_backoff_cap_s=0.1)
+    try:
+        deltas, _ = synthetic_rollout(random.Random(6), [3])
+        await commit_all(s, "stalled", deltas[:1])
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            for op in (lambda: s.load("stalled"), lambda: s.append_turn("stalled", deltas[1], expected_turn=1)):
+                t0 = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await asyncio.wait_for(op(), 10)
+                took = time.monotonic() - t0
+                print(f"stalled redis: StoreUnavailable after {took:.2f}s (timeout 0.4 s, 1 retry)")
+                assert 0.7 <= took <= 2.0
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        # The append sent while Redis was stopped may have been executed when it woke up (its answer
+        # lost): its retry with the same turn is then told "conflict", never applied twice.
+        state = await s.load("stalled")
+        assert state.turn in (1, 2)
+        if state.turn == 1:
+            await s.append_turn("stalled", deltas[1], expected_turn=1)
+        await s.append_turn("stalled", deltas[2], expected_turn=2)
+        assert (await s.load("stalled")).turn == 3
+    finally:
+        await s.close()
+        server.stop()
+
+
+async def test_an_append_whose_answer_is_lost_is_retried_and_applied_once(tmp_path):
+    """A TCP proxy forwards the append to the real redis-server and drops the connection before the
+    answer comes back: redis-py sends it again (store.retries) and the append id makes the second
+    execution a success, not a 409 conflict and not a second copy of the turn."""
+    server = EmbeddedRedis(tmp_path / "lossy")
+    url = server.start()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    drop = {"armed": False, "dropped": 0}
+
+    async def pipe(reader, writer, from_redis: bool):
+        try:
+            while data := await reader.read(65536):
+                if from_redis and drop["armed"]:
+                    drop["armed"] = False
+                    drop["dropped"] += 1
+                    break  # the reply to the append never reaches the client
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(client_reader, client_writer):
+        redis_reader, redis_writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.gather(pipe(client_reader, redis_writer, False), pipe(redis_reader, client_writer, True))
+
+    proxy = await asyncio.start_server(handle, "127.0.0.1", 0)
+    proxy_url = f"redis://127.0.0.1:{proxy.sockets[0].getsockname()[1]}/0"
+    s = _deadline_store(proxy_url, timeout_s=2.0, retries=2)
+    try:
+        deltas, expected = synthetic_rollout(random.Random(7), [2, 2])
+        await commit_all(s, "lossy", deltas[:2])
+        drop["armed"] = True
+        await s.append_turn("lossy", deltas[2], expected_turn=2)  # answer lost once, retried
+        assert drop["dropped"] == 1
+        await s.append_turn("lossy", deltas[3], expected_turn=3)
+        expected.rollout_id = "lossy"
+        assert await s.load("lossy") == expected  # every turn once, in order
+    finally:
+        await s.close()
+        proxy.close()
+        server.stop()

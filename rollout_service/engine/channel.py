@@ -33,6 +33,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import socket
 import struct
 import sys
 from typing import Any, AsyncIterator, Callable
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20  # a frame carries one request's prompt ids or one chunk: far below this
 CONNECT_TIMEOUT_S = 10.0
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
 # Errors by which the engine says it cannot serve at all (shut down, its engine core dead): the call
 # is handled as on a dead engine (retried elsewhere if it produced nothing), not as a failed request.
 _ENGINE_GONE = frozenset({"EngineUnavailable", "EngineDeadError"})
@@ -85,6 +87,20 @@ def _is_client_error(exc: Exception) -> bool:
         return True
     vllm_exceptions = sys.modules.get("vllm.exceptions")
     return vllm_exceptions is not None and isinstance(exc, vllm_exceptions.VLLMClientError)
+
+
+def keepalive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive on a channel connection (both ends): a peer whose machine or network died
+    without closing the socket is found within about KEEPALIVE_IDLE_S + KEEPALIVE_COUNT x
+    KEEPALIVE_INTERVAL_S of silence, and the calls on the connection fail over."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing applies
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _frame(encoder: msgspec.msgpack.Encoder, msg: list) -> bytes:
@@ -131,6 +147,7 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._conns.add(asyncio.current_task())
+        keepalive(writer)
         decoder, encoder = msgspec.msgpack.Decoder(), msgspec.msgpack.Encoder()
         calls: dict[int, asyncio.Task] = {}
         try:
@@ -218,6 +235,7 @@ class EngineChannel:
                         asyncio.open_connection(self.address.host, self.address.port), CONNECT_TIMEOUT_S)
                 except (OSError, asyncio.TimeoutError) as exc:
                     raise EngineLost(f"engine channel {self.address} unreachable: {exc!r}") from None
+                keepalive(writer)
                 writer.write(_frame(self._encoder, ["hello", self.address.token]))
                 self._reader, self._writer = reader, writer
                 self._reading = asyncio.get_running_loop().create_task(self._read_loop(reader))

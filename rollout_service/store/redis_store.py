@@ -4,7 +4,8 @@ Key layout of rollout ``R`` under prefix ``P`` (every key carries the hash tag `
 lives in one cluster slot and each Lua script touches a single slot)::
 
     P:{R}:meta          hash   turn (completed calls), nseg (segments), v (layout version),
-                               born (incarnation: random, set when the rollout is created)
+                               born (incarnation: random, set when the rollout is created),
+                               aid (id of the last append: a resent append that landed is a success)
     P:{R}:s<i>:ids      string token ids of segment i, packed little-endian int32, APPENDed per turn
     P:{R}:s<i>:lp       string logprobs, little-endian float32, APPENDed per turn
     P:{R}:s<i>:mask     string loss mask, uint8, APPENDed per turn
@@ -70,12 +71,15 @@ end
 """
 
 # ARGV: expected_turn, new_turn, segment_index, new_segment (0/1), ttl_ms, ids, lp, mask, record, ctx,
-#       incarnation (stored only when this append creates the rollout), msgs...
+#       incarnation (stored only when this append creates the rollout), append id, msgs...
 # Returns {1, nseg} on success, {0, stored_turn} on a turn conflict, {-1, nseg} on a bad segment index.
-# Every check happens before the first write, so a refused append leaves no trace.
+# Every check happens before the first write, so a refused append leaves no trace. The append id
+# makes a retried append (the client resends a command whose answer it lost: store.retries) that
+# had landed a success, not a conflict.
 _LUA_APPEND = _LUA_KEYS + """
-local m = redis.call('HMGET', meta, 'turn', 'nseg')
+local m = redis.call('HMGET', meta, 'turn', 'nseg', 'aid')
 local stored = tonumber(m[1] or '0')
+if m[3] == ARGV[12] and stored == tonumber(ARGV[2]) then return {1, tonumber(m[2] or '0')} end
 if stored ~= tonumber(ARGV[1]) then return {0, stored} end
 local nseg = tonumber(m[2] or '0')
 local seg = tonumber(ARGV[3])
@@ -90,14 +94,14 @@ redis.call('APPEND', p .. 'mask', ARGV[8])
 redis.call('RPUSH', p .. 'turns', ARGV[9])
 redis.call('SET', p .. 'ctx', ARGV[10])
 if stored == 0 then redis.call('HSET', meta, 'born', ARGV[11]) end
-local i = 12
+local i = 13
 while i <= #ARGV do
   local j = math.min(i + %d - 1, #ARGV)
   redis.call('RPUSH', p .. 'msgs', unpack(ARGV, i, j))
   i = j + 1
 end
 if new_segment then nseg = nseg + 1 end
-redis.call('HSET', meta, 'turn', ARGV[2], 'nseg', nseg, 'v', %d)
+redis.call('HSET', meta, 'turn', ARGV[2], 'nseg', nseg, 'v', %d, 'aid', ARGV[12])
 expire_all(nseg, tonumber(ARGV[5]))
 return {1, nseg}
 """ % (_MSGS_PER_RPUSH, LAYOUT_VERSION)
@@ -193,6 +197,24 @@ def parse_redis_url(url: str) -> tuple[str, bool]:
     return urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment)), cluster
 
 
+def client_deadlines(config: StoreConfig) -> dict[str, Any]:
+    """redis-py client arguments for the store's deadlines, named in the config rather than left to
+    the library's defaults: a command waits at most ``store.timeout_s`` for Redis's answer (a
+    stalled or unreachable Redis), a connection ``store.connect_timeout_s``; a command that failed
+    on a connection error or a timeout is sent again up to ``store.retries`` times with exponential
+    backoff and jitter (appends are idempotent under it). TCP keepalive finds dead peers on idle
+    pooled connections."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialWithJitterBackoff
+
+    return {
+        "socket_timeout": config.timeout_s,
+        "socket_connect_timeout": config.connect_timeout_s,
+        "socket_keepalive": True,
+        "retry": Retry(ExponentialWithJitterBackoff(cap=config.retry_backoff_cap_s, base=0.05), config.retries),
+    }
+
+
 class RedisRolloutStore:
     """``RolloutStore`` on redis-py asyncio (``Redis`` or ``RedisCluster`` — the code path is the same)."""
 
@@ -247,7 +269,8 @@ class RedisRolloutStore:
                 "(rollout_service.store.embedded.EmbeddedRedis) and pass its URL"
             )
         return cls.from_url(
-            config.redis_url, ttl_seconds=config.ttl_seconds, key_prefix=config.key_prefix, **client_kwargs
+            config.redis_url, ttl_seconds=config.ttl_seconds, key_prefix=config.key_prefix,
+            **{**client_deadlines(config), **client_kwargs},
         )
 
     @property
@@ -301,6 +324,7 @@ class RedisRolloutStore:
             enc.record,
             enc.render_context,
             secrets.token_hex(8) if expected_turn == 0 else "",
+            secrets.token_hex(8),  # this append's id
             *enc.messages,
         ]
         async with self._translate():
