@@ -47,10 +47,23 @@ def test_every_worker_method_the_controller_fans_out_exists_on_vllms_worker():
 
     from rollout_service.refit.nccl import NcclRounds
 
+    from rollout_service.weights.worker_extension import RolloutWorkerExtension
+
     source = inspect.getsource(NcclRounds)  # the controller's NCCL round
+    extension = inspect.getsource(RolloutWorkerExtension)  # our worker methods around vLLM's round
     for name in WORKER_METHODS:
         assert callable(getattr(Worker, name, None)), name
-        assert f'"{name}"' in source, f"controller never calls {name}"
+        # init / shutdown: fanned out as they are; start / update / finish: through our rs_nccl_*
+        # methods, which call vLLM's and keep the record of what the round loaded.
+        assert f'"{name}"' in source or f"self.{name}(" in extension, f"nothing calls {name}"
+    for ours in (NcclRounds._NCCL_START, NcclRounds._NCCL_UPDATE, NcclRounds._NCCL_FINISH, "rs_nccl_abort"):
+        assert callable(getattr(RolloutWorkerExtension, ours, None)), ours
+    assert '"rs_nccl_abort"' in source  # a failed or abandoned round goes back to the committed weights
+    # vLLM's transfer engine lets the worker swap the model a round loads into (our recording hook).
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    assert {"set_weight_update_target", "reset_weight_update_target"} <= set(dir(WeightTransferEngine))
+    assert "self.model.load_weights" in inspect.getsource(vllm_wt.NCCLWeightTransferEngine.receive_weights)
     # update_weights / init take the dict payload under the keyword the controller passes.
     assert "update_info" in inspect.signature(Worker.update_weights).parameters
     assert "init_info" in inspect.signature(Worker.init_weight_transfer_engine).parameters

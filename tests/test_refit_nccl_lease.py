@@ -58,7 +58,7 @@ class NcclStandInController(RefitController):
         if method == self.refuse:
             self.refuse = None
             raise RuntimeError(f"{method} refused by the worker (stand-in)")
-        if method == "update_weights" and self.update_from is not None:
+        if method == "rs_nccl_update" and self.update_from is not None:
             path, self.update_from = self.update_from, None
             await asyncio.gather(*[e.collective_rpc.remote("rs_reload_from_path", args=(path,)) for e in engines])
             sums = await asyncio.gather(*[e.collective_rpc.remote("rs_weights_checksum") for e in engines])
@@ -207,7 +207,7 @@ def test_trainer_client_runs_an_nccl_refit_configured_by_the_service(rig, tiny_m
     assert report["previous_version"] == before["weight_version"] and report["num_tensors"] == len(weights)
 
     round_ = ray.get(controller.recorded_fan_outs.remote())[already + 1:]
-    assert [m for m, _, _ in round_] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert [m for m, _, _ in round_] == ["rs_nccl_start", "rs_nccl_update", "rs_nccl_finish"]
     assert all(all(paused) for _, _, paused in round_)  # the whole round with the engine paused (keep)
     update = vllm_wt.NCCLWeightTransferEngine.update_info_cls(**round_[1][1][0]["update_info"])
     assert update.names == list(weights)
@@ -281,8 +281,8 @@ def test_every_nccl_round_is_recorded_once_with_its_outcome_phases_and_bytes(rig
     ray.get(controller.nccl_update_weights.remote(update_info), timeout=60)
     ray.get(controller.nccl_finish_weight_update.remote("metrics-ok"), timeout=60)
     ok = ray.get(controller.stats.remote())["last_refit"]
-    ray.get(controller.refuse_next.remote("start_weight_update"))
-    with pytest.raises(RuntimeError, match="start_weight_update refused"):
+    ray.get(controller.refuse_next.remote("rs_nccl_start"))
+    with pytest.raises(RuntimeError, match="rs_nccl_start refused"):
         ray.get(controller.nccl_start_weight_update.remote(), timeout=60)
     stats = ray.get(controller.stats.remote())
     failed = stats["last_refit"]

@@ -110,8 +110,8 @@ class RefitController(NcclRounds):
           commit and telling the fleet), the fleet is told: the refit happened;
         - an engine that committed a version the others did not is handed to the fleet to be
           replaced on the current version (its weights cannot be rolled back);
-        - the NCCL path loads in place with nothing staged: every engine reloads its last
-          committed weights (``rs_reload_current``), as when a round's lease runs out;
+        - the NCCL path loads in place with nothing staged: every engine goes back to its last
+          committed weights (``rs_nccl_abort``), as when a round's lease runs out;
         - every engine is resumed (idempotent) and the fleet's refit bracket ended.
         The trainer's refit call failed with the controller's death; it may retry."""
         timeout = self.config.refit.step_timeout_s
@@ -132,7 +132,7 @@ class RefitController(NcclRounds):
 
         async def one(m: Member):
             e = m.handle
-            rolled = await asyncio.wait_for(e.collective_rpc.remote("rs_reload_current" if nccl else "rs_rollback",
+            rolled = await asyncio.wait_for(e.collective_rpc.remote("rs_nccl_abort" if nccl else "rs_rollback",
                                                                     timeout=timeout), timeout)
             if not nccl:
                 await asyncio.wait_for(e.collective_rpc.remote("rs_discard_staged", timeout=timeout), timeout)

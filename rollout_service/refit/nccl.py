@@ -2,7 +2,9 @@
 
 vLLM's trainer-side ``NCCLTrainerWeightTransferEngine`` drives a round from the trainer's process
 (start -> update* -> finish) through ``transports.ControllerWeightSyncClient``; each call is fanned
-out here to vLLM's worker methods on every engine. The round runs under a lease the trainer renews
+out here to every engine's worker, where our methods wrap vLLM's (start / update / finish) and
+record what the round loaded, as the other transports do (a replacement or a rollback after an
+NCCL round loads those weights, not the model's own checkpoint). The round runs under a lease the trainer renews
 with every call: if the trainer dies mid-round, the lease runs out and the round is abandoned —
 the last committed weights reloaded, every engine resumed, the fleet's refit bracket ended. On CPU
 the handshake and the round run short of vLLM's NCCL calls (tests/test_refit_nccl_lease.py).
@@ -29,9 +31,11 @@ logger = logging.getLogger(__name__)
 
 class NcclRounds:
     config: RolloutServiceConfig
-    # vLLM's worker methods that open / close an NCCL weight-update round.
-    _NCCL_START = "start_weight_update"
-    _NCCL_FINISH = "finish_weight_update"
+    # Our worker methods around vLLM's start_weight_update / update_weights / finish_weight_update:
+    # they keep the record of what each round loaded (weights/worker_extension.py, "NCCL rounds").
+    _NCCL_START = "rs_nccl_start"
+    _NCCL_UPDATE = "rs_nccl_update"
+    _NCCL_FINISH = "rs_nccl_finish"
 
     # Unverified on GPUs: the VLLMWeightSyncClient calls of vLLM's trainer-side
     # NCCLTrainerWeightTransferEngine, fanned out to every engine (transports.ControllerWeightSyncClient).
@@ -127,7 +131,7 @@ class NcclRounds:
         report = round_["report"]
         t0 = time.perf_counter()
         try:
-            await self._nccl_fan_out(round_["view"].handles(), "update_weights", {"update_info": update_info})
+            await self._nccl_fan_out(round_["view"].handles(), self._NCCL_UPDATE, {"update_info": update_info})
         except BaseException as exc:
             report.transfer_s += time.perf_counter() - t0
             # vLLM loaded part of the weights in place: reload the last good checkpoint, resume.
@@ -161,6 +165,12 @@ class NcclRounds:
                 self._version_history.append(str(version))
                 self._num_refits += 1
                 committed = str(version)
+            # Past the label: release each engine's backup of the previous weights (a commit that
+            # fails leaves a stale backup its next load releases; the round stays committed).
+            commits = await asyncio.gather(*[asyncio.wait_for(e.collective_rpc.remote(
+                "rs_commit", timeout=self.config.refit.step_timeout_s), self.config.refit.step_timeout_s)
+                for e in engines], return_exceptions=True)
+            report.commit_failed = [m.slot for m, r in zip(round_["view"].members, commits) if isinstance(r, Exception)]
             report.resume_s = time.perf_counter() - t0
         except BaseException as exc:
             await self._nccl_release(round_, reload=True, error=exc)
@@ -190,18 +200,22 @@ class NcclRounds:
             round_["watchdog"].cancel()
         try:
             if reload:  # the round failed or was abandoned: the engines go back to the last committed weights
-                reloads = await asyncio.gather(*[e.collective_rpc.remote("rs_reload_current") for e in engines],
-                                               return_exceptions=True)
+                timeout = self.config.refit.step_timeout_s
+                reloads = await asyncio.gather(*[asyncio.wait_for(e.collective_rpc.remote(
+                    "rs_nccl_abort", timeout=timeout), timeout) for e in engines], return_exceptions=True)
                 if report is not None:
                     report.rolled_back = not any(isinstance(r, BaseException) for r in reloads)
             t0 = time.perf_counter()
-            await asyncio.gather(*[e.resume.remote() for e in engines], return_exceptions=True)
+            # Deadlines: a stalled engine must not hold the round open (the fleet resumes one left
+            # paused after fleet.resume_unbracketed_pause_s, and replaces a hung one).
+            await asyncio.gather(*[asyncio.wait_for(e.resume.remote(), self.config.refit.step_timeout_s)
+                                   for e in engines], return_exceptions=True)
             if report is not None:
                 report.resume_s += time.perf_counter() - t0
                 report.total_s = time.perf_counter() - round_["t_start"]
         finally:
             try:
-                await self.fleet.end_refit.remote(committed, None)
+                await asyncio.wait_for(self.fleet.end_refit.remote(committed, None), self.config.refit.step_timeout_s)
             finally:
                 if self._refit_lock.locked():
                     self._refit_lock.release()

@@ -81,7 +81,7 @@ class ControllerWeightSyncClient:
     start with vLLM's ``weight_transfer_config`` when the service's ``refit.backend`` is nccl
     (``EngineReplica.engine_args``). vLLM loads in place while receiving, so this path has no
     stage / load split: a failed round is rolled back by reloading the last source our transports
-    know (``rs_reload_current``, from ``RefitController._nccl_release``).
+    know (``rs_nccl_abort``, from ``RefitController._nccl_release``).
     """
 
     def __init__(self, controller, version: str | None = None, timeout_s: float = 300.0):

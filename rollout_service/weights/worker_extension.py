@@ -252,6 +252,53 @@ class RolloutWorkerExtension:
         self._rs_load(self._rs_current)
         return {"source": self._rs_current.describe(), "seconds": time.perf_counter() - t0}
 
+    # ------------------------------------------------------------- NCCL rounds (GPU)
+    # vLLM's weight-transfer engine loads what it receives straight into the model (layerwise, in
+    # place), so nothing of ours sees the tensors. These wrap vLLM's worker methods so an NCCL
+    # round leaves the same record as the other transports: the engine's target model is wrapped
+    # (vLLM's set_weight_update_target) to copy every tensor it loads to CPU as it passes; finish
+    # makes them the current source (the previous one kept until commit); abort goes back to the
+    # last committed weights. A replacement engine then exports what was loaded, and a later
+    # failed round rolls back to it, not to the model's own checkpoint.
+    def rs_nccl_start(self) -> None:
+        self._rs_state()
+        self.start_weight_update()
+        engine = self.weight_transfer_engine
+        self._rs_nccl_received = []
+        engine.set_weight_update_target(_Recording(engine.model, self._rs_nccl_received), engine.model_config)
+
+    def rs_nccl_update(self, update_info: dict | list[dict]) -> None:
+        self.update_weights(update_info=update_info)
+
+    def rs_nccl_finish(self) -> dict[str, Any]:
+        """vLLM's finish (the layerwise load is finalized); what the round loaded becomes current."""
+        self.finish_weight_update()
+        received = getattr(self, "_rs_nccl_received", None)
+        self._rs_nccl_received = None
+        if received is None:
+            raise RuntimeError("finish of an NCCL round that rs_nccl_start did not open")
+        full = _merged(self._rs_current, received)  # a round may send a subset of the weights
+        self._rs_drop(self._rs_previous)
+        self._rs_previous, self._rs_current = self._rs_current, _Source(tensors=full)
+        return {"tensors": len(received), "bytes": self._rs_current.nbytes}
+
+    def rs_nccl_abort(self) -> dict[str, Any]:
+        """The round failed or was abandoned: back to the last committed weights, reloaded in full
+        (vLLM loaded part of the round in place)."""
+        self._rs_state()
+        self._rs_nccl_received = None
+        engine = getattr(self, "weight_transfer_engine", None)
+        if getattr(self, "_weight_update_active", False):  # abandoned between start and finish
+            try:
+                self.finish_weight_update()
+            except Exception:  # the reload below overwrites whatever it left
+                self._weight_update_active = False
+        if engine is not None:
+            engine.reset_weight_update_target()
+        if self._rs_previous is not None:  # finished, then failed before the commit
+            return self.rs_rollback()
+        return self.rs_reload_current()
+
     def _rs_load(self, source: _Source) -> None:
         if source.path is not None:
             self._rs_reload(weights_path=source.path)
@@ -276,6 +323,43 @@ class RolloutWorkerExtension:
             except Exception:  # the original error is the one to report
                 pass
             raise
+
+
+class _Recording:
+    """The model as vLLM's weight-transfer engine sees it during an NCCL round: ``load_weights``
+    copies each (name, tensor) it is given to CPU into ``sink`` (the receive buffers are reused),
+    then the model loads it; everything else is the model's."""
+
+    def __init__(self, model, sink: list):
+        self._model, self._sink = model, sink
+
+    def load_weights(self, weights):
+        def tee():
+            for name, tensor in weights:
+                self._sink.append((name, tensor.detach().to("cpu", copy=True)))
+                yield name, tensor
+
+        return self._model.load_weights(tee())
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _merged(base: _Source, received: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The full state after a round that loaded ``received`` over ``base``: the last tensor of
+    each received name, and ``base``'s for the names the round did not send."""
+    new = dict(received)
+    if base.tensors is not None:
+        return [*((n, t) for n, t in base.tensors if n not in new), *new.items()]
+    import glob
+
+    from safetensors import safe_open
+
+    missing = []
+    for file in sorted(glob.glob(os.path.join(base.path, "*.safetensors"))):
+        with safe_open(file, "pt", device="cpu") as handle:
+            missing += [(n, handle.get_tensor(n)) for n in handle.keys() if n not in new]
+    return [*missing, *new.items()]
 
 
 def _tensors_of(source: _Source):
