@@ -250,8 +250,21 @@ class StoreConfig(_Strict):
     redis_url: str | None = Field(
         None,
         description="redis:// or rediss:// URL of one Redis; a Redis Cluster needs redis+cluster:// (or "
-        "?cluster=true), e.g. redis+cluster://node-1:6379. None: the CLI starts an embedded redis-server.",
+        "?cluster=true), e.g. redis+cluster://node-1:6379; a primary found through Redis Sentinel "
+        "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE_NAME[/DB] (followed across failovers). "
+        "None: the CLI starts an embedded redis-server.",
     )
+    durability: Literal["local", "replicated"] = Field(
+        "local",
+        description="When a turn is acknowledged. local: once the primary has it (the embedded Redis writes its AOF "
+        "every second: a killed redis-server loses nothing, a machine crash up to ~1 s of turns; a failover to an "
+        "asynchronous replica loses what had not reached it). replicated: once store.min_replicas replicas have it "
+        "too (Redis WAIT), so a failover to one of them keeps every acknowledged turn (costs a replication round "
+        "trip per turn; docs/reliability.md).")
+    min_replicas: int = Field(1, ge=1, description="durability replicated: replicas that must hold a turn before it is acknowledged.")
+    replication_timeout_s: float = Field(
+        1.0, gt=0, description="durability replicated: longest wait for the replicas; fewer in time answers 503 "
+        "store_unavailable (the turn's retry replays it from the primary).")
     ttl_seconds: int = Field(7 * 24 * 3600, ge=1, description="Expiry of a rollout's keys, refreshed on every turn.")
     key_prefix: str = Field("ro", description="Prefix of every key; keys are hash-tagged by rollout id.")
     timeout_s: float = Field(

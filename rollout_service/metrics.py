@@ -115,7 +115,7 @@ METRICS: tuple[MetricDef, ...] = (
        "live rollouts, also those between calls (waiting on a tool or an environment step). Sum over replicas "
        "(a rollout is routed to one; after a replica change it may count on two for one window).", ()),
     _m("store_latency_seconds", "histogram", "Rollout store operations as the data plane sees them (the replica's "
-       "state cache included): load, append, read (GET rollout), delete.", ("op",), STORE_BUCKETS),
+       "state cache included): load, append, read (GET rollout), delete, replicate (a replayed answer waiting for the replicas under store.durability replicated).", ("op",), STORE_BUCKETS),
     _m("store_errors_total", "counter", "Failed rollout store operations by op and error type (StoreUnavailable, "
        "StoreFull, TurnConflict, ...).", ("op", "error")),
     # ---- engine fleet

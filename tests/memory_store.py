@@ -89,6 +89,9 @@ class MemoryRolloutStore:
         validate_rollout_id(rollout_id)
         return self._live(rollout_id) is not None
 
+    async def ensure_replicated(self, rollout_id: str) -> None:
+        """One process, nothing to replicate."""
+
     async def touch(self, rollout_id: str) -> bool:
         validate_rollout_id(rollout_id)
         entry = self._live(rollout_id)

@@ -155,6 +155,13 @@ class TurnRunner(RolloutReads):
         except StoreError as exc:
             raise http_error(exc) from None
 
+    async def _replicated(self, rollout_id: str) -> None:
+        """An answer about to be given from the store is held by the replicas first (store.durability)."""
+        try:
+            await self._store_op("replicate", self.store.ensure_replicated(rollout_id))
+        except StoreError as exc:
+            raise http_error(exc) from None
+
     def _echo_state(self, req: TurnRequest) -> tuple[RolloutState | None, list[dict]]:
         try:
             return state_from_echo(req.messages, template=self.template, tools=req.tools, vocab_size=self.vocab_size,
@@ -248,6 +255,7 @@ class TurnRunner(RolloutReads):
             state = await self._load(rollout_id)
             replay = self._replay_of(state, req, digest)
             if replay is not None:
+                await self._replicated(rollout_id)
                 if req.stream:
                     yield TokenDelta(token_ids=replay.generation_token_ids, logprobs=replay.generation_log_probs,
                                      reasoning=replay.message.get("reasoning_content") or "",

@@ -165,6 +165,9 @@ class CachedRolloutStore:
             self._invalidate(rollout_id)
         return found
 
+    async def ensure_replicated(self, rollout_id: str) -> None:
+        await self.inner.ensure_replicated(rollout_id)
+
     async def ttl(self, rollout_id: str) -> float | None:
         return await self.inner.ttl(rollout_id)
 

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import secrets
 from typing import Any, AsyncIterator
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
@@ -193,8 +193,36 @@ def parse_redis_url(url: str) -> tuple[str, bool]:
         else:
             query.append((k, v))
     if scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r} (redis://, rediss://, redis+cluster://)")
+        raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r} "
+                         "(redis://, rediss://, unix://, redis+cluster://, redis+sentinel://)")
     return urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment)), cluster
+
+
+def parse_sentinel_url(url: str) -> dict[str, Any] | None:
+    """``redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE_NAME[/DB]`` (``rediss+``
+    for TLS to the primary): the sentinels, the monitored service and the database, or None for any
+    other URL. The credentials are the primary's (sentinels usually have none)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis+sentinel", "rediss+sentinel"):
+        return None
+    netloc = parts.netloc
+    username = password = None
+    if "@" in netloc:
+        cred, netloc = netloc.rsplit("@", 1)
+        user, _, pw = cred.partition(":")
+        username, password = unquote(user) or None, unquote(pw) or None
+    sentinels = []
+    for hostport in filter(None, netloc.split(",")):
+        host, _, port = hostport.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"a sentinel must be HOST:PORT, got {hostport!r} in {url!r}")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not sentinels or not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"a Sentinel URL is redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE_NAME[/DB], got {url!r}")
+    return {"sentinels": sentinels, "service": unquote(path[0]), "db": int(path[1]) if len(path) == 2 else 0,
+            "username": username, "password": password, "ssl": scheme.startswith("rediss")}
 
 
 def client_deadlines(config: StoreConfig) -> dict[str, Any]:
@@ -225,6 +253,9 @@ class RedisRolloutStore:
         ttl_seconds: float = 7 * 24 * 3600,
         key_prefix: str = "ro",
         owns_client: bool = False,
+        durability: str = "local",
+        min_replicas: int = 1,
+        replication_timeout_s: float = 1.0,
     ):
         if not key_prefix or any(c in key_prefix for c in "{}*?[]\\ "):
             raise ValueError(f"key_prefix {key_prefix!r} must be non-empty, without braces, glob characters or spaces")
@@ -235,6 +266,14 @@ class RedisRolloutStore:
         self.key_prefix = key_prefix
         self._ttl_ms = max(1, int(round(ttl_seconds * 1000)))
         self._owns_client = owns_client
+        if durability not in ("local", "replicated"):
+            raise ValueError(f"durability must be local or replicated, got {durability!r}")
+        if durability == "replicated" and isinstance(client, aioredis.RedisCluster):
+            raise ValueError("store.durability replicated needs one primary (redis:// or redis+sentinel://); "
+                             "on a Redis Cluster, WAIT would have to follow each write on its own node's connection")
+        self.durability = durability
+        self.min_replicas = min_replicas
+        self.replication_timeout_s = replication_timeout_s
         self._append = client.register_script(_LUA_APPEND)
         self._load = client.register_script(_LUA_LOAD)
         self._load_if_changed = client.register_script(_LUA_LOAD_IF_CHANGED)
@@ -249,17 +288,37 @@ class RedisRolloutStore:
         ttl_seconds: float = 7 * 24 * 3600,
         key_prefix: str = "ro",
         cluster: bool | None = None,
+        durability: str = "local",
+        min_replicas: int = 1,
+        replication_timeout_s: float = 1.0,
         **client_kwargs: Any,
     ) -> "RedisRolloutStore":
-        """Build the client from a URL; ``cluster=None`` lets the URL decide (see ``parse_redis_url``)."""
+        """Build the client from a URL; ``cluster=None`` lets the URL decide (see ``parse_redis_url``).
+        A Sentinel URL (:func:`parse_sentinel_url`) gives a client of the primary the sentinels name,
+        found again after a failover (redis-py's Sentinel client)."""
+        store_kwargs = {"durability": durability, "min_replicas": min_replicas,
+                        "replication_timeout_s": replication_timeout_s}
+        client_kwargs["decode_responses"] = False  # packed arrays are binary
+        sentinel = parse_sentinel_url(url)
+        if sentinel is not None:
+            from redis.asyncio.sentinel import Sentinel
+
+            sentinel_side = {k: v for k, v in client_kwargs.items()
+                             if k in ("socket_timeout", "socket_connect_timeout", "socket_keepalive")}
+            primary = {k: v for k, v in (("db", sentinel["db"]), ("username", sentinel["username"]),
+                                         ("password", sentinel["password"])) if v is not None}
+            if sentinel["ssl"]:
+                primary["ssl"] = True
+            client = Sentinel(sentinel["sentinels"], sentinel_kwargs=sentinel_side).master_for(
+                sentinel["service"], **primary, **client_kwargs)
+            return cls(client, ttl_seconds=ttl_seconds, key_prefix=key_prefix, owns_client=True, **store_kwargs)
         clean, url_says_cluster = parse_redis_url(url)
         use_cluster = url_says_cluster if cluster is None else cluster
-        client_kwargs["decode_responses"] = False  # packed arrays are binary
         if use_cluster:
             client = aioredis.RedisCluster.from_url(clean, **client_kwargs)
         else:
             client = aioredis.Redis.from_url(clean, **client_kwargs)
-        return cls(client, ttl_seconds=ttl_seconds, key_prefix=key_prefix, owns_client=True)
+        return cls(client, ttl_seconds=ttl_seconds, key_prefix=key_prefix, owns_client=True, **store_kwargs)
 
     @classmethod
     def from_config(cls, config: StoreConfig, **client_kwargs: Any) -> "RedisRolloutStore":
@@ -270,6 +329,8 @@ class RedisRolloutStore:
             )
         return cls.from_url(
             config.redis_url, ttl_seconds=config.ttl_seconds, key_prefix=config.key_prefix,
+            durability=config.durability, min_replicas=config.min_replicas,
+            replication_timeout_s=config.replication_timeout_s,
             **{**client_deadlines(config), **client_kwargs},
         )
 
@@ -328,7 +389,12 @@ class RedisRolloutStore:
             *enc.messages,
         ]
         async with self._translate():
-            status, value = await self._append(keys=[meta], args=args)
+            if self.durability == "replicated":
+                (status, value), acked = await self._with_wait(self._append, meta, args)
+                if status == 1:
+                    self._check_replicated(acked)
+            else:
+                status, value = await self._append(keys=[meta], args=args)
         if status == 0:
             raise TurnConflict(rollout_id, expected_turn, int(value))
         if status == -1:
@@ -336,6 +402,35 @@ class RedisRolloutStore:
             raise InvalidTurnDelta(
                 f"segment_index {enc.segment_index} does not name {want} (rollout has {int(value)} segments)"
             )
+
+    async def _with_wait(self, script, key: str, args: list) -> tuple[Any, int]:
+        """``script`` then ``WAIT`` on one connection (a pipeline): Redis's WAIT counts the replicas
+        that hold the writes *of its own connection*, so it must follow the write on the same one."""
+        pipe = self.client.pipeline(transaction=False)
+        await script(keys=[key], args=args, client=pipe)
+        pipe.execute_command("WAIT", self.min_replicas, max(1, int(self.replication_timeout_s * 1000)))
+        result, acked = await pipe.execute()
+        return result, int(acked)
+
+    def _check_replicated(self, acked: int) -> None:
+        """store.durability replicated: a turn is acknowledged only once ``min_replicas`` replicas
+        have it (Redis ``WAIT``), so a failover to one of them keeps it. Fewer within
+        ``replication_timeout_s``: StoreUnavailable (the turn is written on the primary; the call's
+        retry finds it there and replays it once it is replicated — nothing is generated twice)."""
+        if acked < self.min_replicas:
+            raise StoreUnavailable(f"the turn reached {acked} of the {self.min_replicas} replica(s) "
+                                   f"store.durability replicated waits for within {self.replication_timeout_s}s")
+
+    async def ensure_replicated(self, rollout_id: str) -> None:
+        """Before answering from what is stored (a replayed call): under store.durability
+        replicated, wait until the replicas hold everything written so far (a write on this
+        connection — the rollout's expiry refresh — then WAIT covers every earlier write of the
+        primary). No-op under local."""
+        if self.durability != "replicated":
+            return
+        async with self._translate():
+            _, acked = await self._with_wait(self._touch, self.meta_key(rollout_id), [self._ttl_ms])
+        self._check_replicated(acked)
 
     async def delete(self, rollout_id: str) -> bool:
         meta = self.meta_key(rollout_id)
