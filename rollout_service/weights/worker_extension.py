@@ -88,10 +88,12 @@ class RolloutWorkerExtension:
     # ------------------------------------------------------- direct (unstaged) loads
     def rs_reload_from_path(self, path: str) -> None:
         """Load a HF-format checkpoint directory in place (no rollback bookkeeping)."""
+        self._rs_state()  # the record first: vLLM's reload rewrites model_config.model to ``path``
         self.reload_weights(weights_path=path)
 
     def rs_reload_from_tensors(self, named_tensors: list[tuple[str, Any]]) -> None:
         """Load (name, tensor) pairs that arrived inside this worker (no rollback bookkeeping)."""
+        self._rs_state()
         self.reload_weights(weights_iterator=iter(named_tensors))
 
     # ------------------------------------------------------------ collective group
@@ -131,7 +133,8 @@ class RolloutWorkerExtension:
     # ----------------------------------------------------------------- staging
     def _rs_state(self):
         if not hasattr(self, "_rs_current"):
-            # Before any refit the weights are the model's own checkpoint.
+            # Before any refit the weights are the model's own checkpoint. (Read before any reload:
+            # vLLM's reload_weights(weights_path=...) rewrites model_config.model to that path.)
             self._rs_current = _Source(path=self.model_runner.vllm_config.model_config.model)
             self._rs_previous = None
             self._rs_staged = None
