@@ -6,11 +6,13 @@ the store the service uses (``RedisRolloutStore`` through the ``redis+sentinel:/
 service's deadlines). Writers append the turns of their rollouts as fast as they can, as the
 service's replicas do; an append that fails is resolved as an agent's retry would be (the stored
 turn read back: there, it counts as acknowledged and is replayed; missing, it is appended again).
-``--before`` seconds in, the primary gets SIGKILL; the sentinels promote a replica; writing goes on
+``--before`` seconds in (``--replica-lag-s``: after the replicas were stopped that long, as a
+lagging replica would be), the primary gets SIGKILL; the sentinels promote a replica; writing goes on
 for ``--after`` seconds. Then every rollout is read from the new primary: an acknowledged turn not
 there is lost.
 
-    .venv/bin/python scripts/drill_sentinel.py [--writers 16] [--before 4] [--after 8] [--modes local,replicated]
+    .venv/bin/python scripts/drill_sentinel.py [--writers 16] [--before 4] [--after 8] [--replica-lag-s 0.5]
+        [--modes local,replicated] [--rounds 2]
 
 Everything runs on 127.0.0.1, is bounded in time, and stops every process it started.
 """
@@ -66,7 +68,7 @@ async def writer(store, rid: str, deltas: Turns, acked: dict, stats: dict, stop:
             continue
         except StoreUnavailable:
             stats["unavailable"] += 1
-        except StoreError as exc:  # a conflict: the append landed before its answer was lost
+        except StoreError as exc:  # a conflict: the stored rollout is not where this writer thinks
             stats["errors"].append(repr(exc)[:120])
         # Resolve as the agent's retry would: read the rollout back.
         while not stop.is_set():
@@ -77,6 +79,10 @@ async def writer(store, rid: str, deltas: Turns, acked: dict, stats: dict, stop:
                     turn = stored
                     acked[rid] = turn
                     stats["resolved_stored"] += 1
+                elif stored < turn:  # acknowledged turns are gone (a failover to a replica that lacked them)
+                    stats["lost"] += turn - stored
+                    turn = stored  # the rollout goes on from what is stored (the service would fork)
+                    acked[rid] = turn
                 break
             except StoreUnavailable:
                 await asyncio.sleep(0.1)
@@ -89,20 +95,27 @@ async def run_mode(mode: str, args) -> dict:
         store = RedisRolloutStore.from_config(config)
         rollouts = {f"{mode}-{i}": Turns(i) for i in range(args.writers)}
         acked: dict[str, int] = {}
-        stats = {"latency": [], "unavailable": 0, "resolved_stored": 0, "errors": []}
+        stats = {"latency": [], "unavailable": 0, "resolved_stored": 0, "errors": [], "lost": 0}
         stop, killed = asyncio.Event(), {}
         tasks = [asyncio.create_task(writer(store, rid, deltas, acked, stats, stop, killed))
                  for rid, deltas in rollouts.items()]
         await asyncio.sleep(args.before)
         old_port = group.primary_port()
+        replicas = [r.pid for r in group.replicas]
+        if args.replica_lag_s > 0:  # the replicas fall behind (a slow network, a busy replica)
+            for pid in replicas:
+                os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(args.replica_lag_s)
         acked_at_kill = sum(acked.values())
         os.kill(group.primary_pid(), signal.SIGKILL)
         killed["at"] = time.monotonic()
+        for pid in replicas if args.replica_lag_s > 0 else []:
+            os.kill(pid, signal.SIGCONT)
         failover_s = await asyncio.to_thread(group.wait_for_failover, old_port, 60)
         await asyncio.sleep(args.after)
         stop.set()
         await asyncio.gather(*tasks)
-        lost = 0
+        lost = stats["lost"]  # found by the writers as they went on
         for rid in rollouts:
             for _ in range(100):
                 try:
@@ -128,6 +141,9 @@ def main() -> None:
     ap.add_argument("--before", type=float, default=4.0, help="seconds of writing before the kill")
     ap.add_argument("--after", type=float, default=8.0, help="seconds of writing after the failover")
     ap.add_argument("--down-after-ms", type=int, default=1000, help="sentinels' down-after-milliseconds")
+    ap.add_argument("--replica-lag-s", type=float, default=0.0,
+                    help="stop the replicas (SIGSTOP) this long before the primary is killed: what a lagging "
+                    "replica loses on failover")
     ap.add_argument("--modes", default="local,replicated")
     ap.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating")
     args = ap.parse_args()
