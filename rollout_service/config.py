@@ -277,6 +277,15 @@ class StoreConfig(_Strict):
         "(exponential backoff with jitter; appends carry an id, so one that had landed is not applied twice).")
     retry_backoff_cap_s: float = Field(0.5, ge=0, description="Longest backoff between two tries of a store command.")
 
+    @model_validator(mode="after")
+    def _replication_within_the_command_deadline(self) -> "StoreConfig":
+        # The append and its WAIT are one round trip: a WAIT that outlives the socket timeout would
+        # turn every slow replication into a resend instead of a clear 503.
+        if self.durability == "replicated" and self.replication_timeout_s >= self.timeout_s:
+            raise ValueError(f"store.replication_timeout_s ({self.replication_timeout_s}) must be below "
+                             f"store.timeout_s ({self.timeout_s})")
+        return self
+
 
 class ServiceConfig(_Strict):
     instance_name: str = Field(

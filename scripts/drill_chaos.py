@@ -117,8 +117,33 @@ class Agents:
         self.outcomes: Counter = Counter()
         self.retried = 0
         self.longest = 0.0
+        self.failures: Counter = Counter()  # "status: message" of every failed call
 
-    async def rollout(self, rid: str, seed: int, turns: int) -> list[dict]:
+    async def _call(self, rid: str, key: str, body: dict, stream: bool):
+        """One call; (status, the answer's message with our fields) or (status, error text)."""
+        headers = {"X-Rollout-Id": rid, "Idempotency-Key": key}
+        if not stream:
+            r = await self.http.post("/v1/chat/completions", headers=headers, json=body)
+            return r.status_code, (r.json()["choices"][0]["message"] if r.status_code == 200 else r.text[:200])
+        async with self.http.stream("POST", "/v1/chat/completions", headers=headers, json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                return r.status_code, (await r.aread()).decode(errors="replace")[:200]
+            last, content = None, []
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:  # a stream that ended with an error event
+                    return 503, json.dumps(event)[:200]
+                delta = event["choices"][0]["delta"] if event.get("choices") else {}
+                content.append(delta.get("content") or "")
+                if "generation_token_ids" in delta:
+                    last = delta
+            if last is None:
+                return 599, "stream ended without its final chunk"
+            return 200, {**last, "content": "".join(content)}
+
+    async def rollout(self, rid: str, seed: int, turns: int, stream: bool = False) -> list[dict]:
         messages = [{"role": "user", "content": f"{rid}: count the stars"}]
         acked: list[dict] = []
         for turn in range(turns):
@@ -128,21 +153,21 @@ class Agents:
                     raise RuntimeError(f"{rid} turn {turn}: no answer 5 minutes after the drill's end")
                 t0 = time.monotonic()
                 try:
-                    r = await self.http.post("/v1/chat/completions", headers={"X-Rollout-Id": rid, "Idempotency-Key": key},
-                                             json={"model": self.model, "messages": messages, "max_tokens": 16,
-                                                   "seed": seed + turn, "ignore_eos": True})
-                    outcome = str(r.status_code)
+                    status, msg = await self._call(rid, key, {"model": self.model, "messages": messages,
+                                                              "max_tokens": 16, "seed": seed + turn,
+                                                              "ignore_eos": True}, stream)
+                    outcome = str(status)
                 except Exception as exc:
-                    r, outcome = None, type(exc).__name__
+                    status, msg, outcome = None, f"{type(exc).__name__}: {exc}"[:200], type(exc).__name__
                 self.longest = max(self.longest, time.monotonic() - t0)
                 self.outcomes[outcome] += 1
-                if r is not None and r.status_code == 200:
+                if status == 200:
                     break
-                if r is not None and 400 <= r.status_code < 500 and r.status_code not in (408, 409, 429):
-                    raise RuntimeError(f"{rid} turn {turn}: client error {r.status_code}: {r.text[:300]}")
+                self.failures[f"{outcome}: {msg}"[:240]] += 1
+                if status is not None and 400 <= status < 500 and status not in (408, 409, 429):
+                    raise RuntimeError(f"{rid} turn {turn}: client error {status}: {msg}")
                 self.retried += 1
                 await asyncio.sleep(0.5)
-            msg = r.json()["choices"][0]["message"]
             acked.append(msg)
             messages += [{"role": "assistant", "content": msg["content"], "reasoning_content": msg.get("reasoning_content")},
                          {"role": "user", "content": f"turn {turn}"}]
@@ -331,16 +356,75 @@ def labels(trainer_log: str) -> tuple[dict[str, int], int, int]:
     return order, committed, failed
 
 
-async def drill(args) -> dict:
+async def drill(svc, chaos: "Chaos", args) -> dict:
     import httpx
+
+    rng = random.Random(args.seed)
+    random.seed(args.seed)
+    trainer_log = chaos.trainer_log
+    chaos.start_trainer()
+    model = httpx.get(f"{svc.url}/v1/models", timeout=60).json()["data"][0]["id"]
+    t_start = time.monotonic()
+    end = t_start + 60 * args.minutes
+    agents = Agents(svc.url, model, args.call_timeout, end)
+    results: dict[str, list[dict]] = {}
+
+    async def rollouts(worker: int) -> None:
+        k = 0
+        while time.monotonic() < end:
+            rid = f"chaos-{worker}-{k}-{uuid.uuid4().hex[:4]}"
+            results[rid] = []
+            results[rid] = await agents.rollout(rid, 1000 * worker + 10 * k, args.turns, stream=worker % 2 == 1)
+            k += 1
+
+    workers = [asyncio.create_task(rollouts(w)) for w in range(args.rollouts)]
+    faults = []
+    await asyncio.sleep(args.fault_every)
+    while time.monotonic() < end - 10:
+        kind = rng.choice(FAULTS)
+        t_fault = time.monotonic()
+        what = await chaos.hit(kind)
+        await chaos.healthy()
+        heal = time.monotonic() - t_fault  # fault -> noticed -> /health 200 with every engine serving
+        faults.append({"fault": kind, "at_s": t_fault - t_start, "what": what, "healed_s": heal})
+        print(f"[chaos] t={t_fault - t_start:.0f}s {kind}: {what}; healthy again after {heal:.1f}s", flush=True)
+        await asyncio.sleep(max(0.0, args.fault_every - (time.monotonic() - t_fault)))
+    await asyncio.gather(*workers)
+    chaos.stop_trainer()
+    settle_s = await chaos.healthy()
+    # Every engine healthy, unpaused, on the last committed version.
+    view = await svc.fleet.view.remote()
+    current = (await svc.controller.stats.remote())["weight_version"]
+    healths = await asyncio.gather(*[m.handle.health.remote() for m in view.members])
+    engines_ok = all(not h["paused"] and h["weight_version"] == current for h in healths) \
+        and view.version == current and len(view.members) == args.engines
+    order, committed, failed_refits = labels(trainer_log)
+    bad: Counter = Counter()
+    acked = 0
+    for rid, turns in results.items():
+        if not turns:
+            continue
+        acked += len(turns)
+        bad += check(await agents.trajectory(rid), turns, order)
+    await agents.http.aclose()
+    return {"minutes": args.minutes, "backend": args.backend, "engines": args.engines, "faults": faults,
+            "calls": sum(agents.outcomes.values()), "outcomes": dict(agents.outcomes), "retried": agents.retried,
+            "longest_call_s": agents.longest, "rollouts": sum(1 for t in results.values() if t), "acked": acked,
+            "refits_committed": committed, "refits_failed": failed_refits, "trainer_processes": chaos.trainers,
+            "versions_labelled": len(order) - 1, "engines_ok_at_end": engines_ok, "settle_s": settle_s,
+            "violations": {k: v for k, v in bad.items() if k != "migrated_turns"},
+            "migrated_turns": bad["migrated_turns"], "failures": dict(agents.failures.most_common(12))}
+
+
+def run(args) -> dict:
+    """Start the service, run the drill, stop everything (also on Ctrl-C: the start is not in a
+    thread an interrupt could leave running)."""
     import ray
 
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.ops.launcher import LocalService
     from rollout_service.ops.runtime import shutdown_local_ray
 
-    rng = random.Random(args.seed)
-    random.seed(args.seed)
     engine = {"num_engines": args.engines, "num_cpus_per_engine": 0}
     if args.backend == "simulated":
         engine.update(backend="simulated", sim={"decode_step_s": 0.01})
@@ -350,64 +434,13 @@ async def drill(args) -> dict:
     trainer_log = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"drill-chaos-{uuid.uuid4().hex[:6]}.jsonl")
     chaos = None
     try:
-        await asyncio.to_thread(svc.start)
+        svc.start()
         chaos = Chaos(svc, args, trainer_log, ray.get_runtime_context().gcs_address)
-        chaos.start_trainer()
-        model = httpx.get(f"{svc.url}/v1/models", timeout=60).json()["data"][0]["id"]
-        t_start = time.monotonic()
-        end = t_start + 60 * args.minutes
-        agents = Agents(svc.url, model, args.call_timeout, end)
-        results: dict[str, list[dict]] = {}
-
-        async def rollouts(worker: int) -> None:
-            k = 0
-            while time.monotonic() < end:
-                rid = f"chaos-{worker}-{k}-{uuid.uuid4().hex[:4]}"
-                results[rid] = []
-                results[rid] = await agents.rollout(rid, 1000 * worker + 10 * k, args.turns)
-                k += 1
-
-        workers = [asyncio.create_task(rollouts(w)) for w in range(args.rollouts)]
-        faults = []
-        await asyncio.sleep(args.fault_every)
-        while time.monotonic() < end - 10:
-            kind = rng.choice(FAULTS)
-            t_fault = time.monotonic()
-            what = await chaos.hit(kind)
-            await chaos.healthy()
-            heal = time.monotonic() - t_fault  # fault -> noticed -> /health 200 with every engine serving
-            faults.append({"fault": kind, "at_s": t_fault - t_start, "what": what, "healed_s": heal})
-            print(f"[chaos] t={t_fault - t_start:.0f}s {kind}: {what}; healthy again after {heal:.1f}s", flush=True)
-            await asyncio.sleep(max(0.0, args.fault_every - (time.monotonic() - t_fault)))
-        await asyncio.gather(*workers)
-        chaos.stop_trainer()
-        settle_s = await chaos.healthy()
-        # Every engine healthy, unpaused, on the last committed version.
-        view = await svc.fleet.view.remote()
-        current = (await svc.controller.stats.remote())["weight_version"]
-        healths = await asyncio.gather(*[m.handle.health.remote() for m in view.members])
-        engines_ok = all(not h["paused"] and h["weight_version"] == current for h in healths) \
-            and view.version == current and len(view.members) == args.engines
-        order, committed, failed_refits = labels(trainer_log)
-        bad: Counter = Counter()
-        acked = 0
-        for rid, turns in results.items():
-            if not turns:
-                continue
-            acked += len(turns)
-            bad += check(await agents.trajectory(rid), turns, order)
-        await agents.http.aclose()
-        return {"minutes": args.minutes, "backend": args.backend, "engines": args.engines, "faults": faults,
-                "calls": sum(agents.outcomes.values()), "outcomes": dict(agents.outcomes), "retried": agents.retried,
-                "longest_call_s": agents.longest, "rollouts": sum(1 for t in results.values() if t), "acked": acked,
-                "refits_committed": committed, "refits_failed": failed_refits, "trainer_processes": chaos.trainers,
-                "versions_labelled": len(order) - 1, "engines_ok_at_end": engines_ok, "settle_s": settle_s,
-                "violations": {k: v for k, v in bad.items() if k != "migrated_turns"},
-                "migrated_turns": bad["migrated_turns"]}
+        return asyncio.run(drill(svc, chaos, args))
     finally:
         if chaos is not None:
             chaos.stop_trainer()
-        await asyncio.to_thread(svc.stop)
+        svc.stop()
         shutdown_local_ray()
 
 
@@ -429,7 +462,7 @@ def main() -> int:
         trainer_child(args)
         return 0
     args.minutes = min(args.minutes, 60.0)
-    r = asyncio.run(drill(args))
+    r = run(args)
     kinds = Counter(f["fault"] for f in r["faults"])
     heals = [f["healed_s"] for f in r["faults"]]
     print(json.dumps(r, indent=1, default=str))

@@ -308,38 +308,19 @@ async def test_an_append_whose_answer_is_lost_is_retried_and_applied_once(tmp_pa
     """A TCP proxy forwards the append to the real redis-server and drops the connection before the
     answer comes back: redis-py sends it again (store.retries) and the append id makes the second
     execution a success, not a 409 conflict and not a second copy of the turn."""
+    from reply_dropper import ReplyDropper
+
     server = EmbeddedRedis(tmp_path / "lossy")
     url = server.start()
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
-    drop = {"armed": False, "dropped": 0}
-
-    async def pipe(reader, writer, from_redis: bool):
-        try:
-            while data := await reader.read(65536):
-                if from_redis and drop["armed"]:
-                    drop["armed"] = False
-                    drop["dropped"] += 1
-                    break  # the reply to the append never reaches the client
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def handle(client_reader, client_writer):
-        redis_reader, redis_writer = await asyncio.open_connection("127.0.0.1", port)
-        await asyncio.gather(pipe(client_reader, redis_writer, False), pipe(redis_reader, client_writer, True))
-
-    proxy = await asyncio.start_server(handle, "127.0.0.1", 0)
-    proxy_url = f"redis://127.0.0.1:{proxy.sockets[0].getsockname()[1]}/0"
+    proxy = ReplyDropper(int(url.rsplit(":", 1)[1].split("/")[0]))
+    proxy_url = await proxy.start()
     s = _deadline_store(proxy_url, timeout_s=2.0, retries=2)
     try:
         deltas, expected = synthetic_rollout(random.Random(7), [2, 2])
         await commit_all(s, "lossy", deltas[:2])
-        drop["armed"] = True
+        proxy.armed = True
         await s.append_turn("lossy", deltas[2], expected_turn=2)  # answer lost once, retried
-        assert drop["dropped"] == 1
+        assert proxy.dropped == 1
         await s.append_turn("lossy", deltas[3], expected_turn=3)
         expected.rollout_id = "lossy"
         assert await s.load("lossy") == expected  # every turn once, in order

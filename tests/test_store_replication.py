@@ -31,7 +31,7 @@ def _store(url: str, **store) -> RedisRolloutStore:
     from rollout_service.config import StoreConfig
 
     return RedisRolloutStore.from_config(StoreConfig.model_validate(
-        {"redis_url": url, "key_prefix": "repl", "timeout_s": 1.0, "retries": 2, **store}))
+        {"redis_url": url, "key_prefix": "repl", "timeout_s": 2.0, "retries": 2, **store}))
 
 
 def _turn_on(port: int, store: RedisRolloutStore, rid: str) -> int:
@@ -90,6 +90,36 @@ async def test_replicated_refuses_to_acknowledge_what_no_replica_holds_in_time(g
     finally:
         await replicated.close()
         await local.close()
+
+
+async def test_a_resent_replicated_append_is_not_acknowledged_before_the_replicas_hold_it(group):
+    """The append lands on the primary, its answer is lost, redis-py resends it on a new
+    connection: the resend must not be acknowledged until the replicas hold the turn (Redis's WAIT
+    counts the writes of its own connection, so the resend writes before it waits)."""
+    from reply_dropper import ReplyDropper
+
+    proxy = ReplyDropper(group.primary_port())
+    url = await proxy.start()
+    s = _store(url, durability="replicated", min_replicas=1, replication_timeout_s=0.3)
+    pids = [r.pid for r in group.replicas]
+    deltas, _ = synthetic_rollout(random.Random(4), [2])
+    try:
+        await s.append_turn("resent", deltas[0], expected_turn=0)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            proxy.armed = True
+            with pytest.raises(StoreUnavailable, match="replica"):
+                await s.append_turn("resent", deltas[1], expected_turn=1)
+            assert proxy.dropped == 1
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        assert (await s.load("resent")).turn == 2  # on the primary: the call's retry replays it
+        await s.ensure_replicated("resent")  # and now the replicas hold it
+    finally:
+        await s.close()
+        proxy.close()
 
 
 async def test_after_kill_9_of_the_primary_every_replicated_acknowledged_turn_is_on_the_new_primary(group):

@@ -96,11 +96,14 @@ def keepalive(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     if sock is None:
         return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                        ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
-        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing applies
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                            ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+            if hasattr(socket, name):  # Linux; elsewhere the system's keepalive timing applies
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError as exc:  # a socket that refuses options still carries calls; the fleet's probes remain
+        logger.warning("engine data channel: TCP keepalive not set: %s", exc)
 
 
 def _frame(encoder: msgspec.msgpack.Encoder, msg: list) -> bytes:

@@ -127,7 +127,7 @@ class SimulatedWorker:
 
         if self.group is None:
             raise RuntimeError("no weight-sync group: call init_weight_sync first")
-        self.staged = None
+        self.previous = self.staged = None  # a backup a failed commit left: never rolled back to now
         t0 = time.perf_counter()
         tensors, _buffers = receive_buckets(self.group, BucketPlan.from_json(plan_json))
         digest, nbytes = _digest_tensors(tensors)
@@ -137,6 +137,7 @@ class SimulatedWorker:
     def rs_stage_path(self, path: str) -> dict[str, Any]:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {path}")
+        self.previous = None
         self.staged = _Weights(_digest_path(path), path=path)
         nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
         return {"bytes": nbytes, "seconds": 0.0}
@@ -172,6 +173,7 @@ class SimulatedWorker:
     def stage_object(self, state: Any) -> dict[str, Any]:
         """An object-store refit or a replacement's load: ``{"path": dir}``, another simulated engine's
         export (``{"sim_digest": hex}``), or a ``{name: tensor}`` state dict."""
+        self.previous = None
         if isinstance(state, dict) and set(state) == {"path"}:
             return self.rs_stage_path(state["path"])
         if isinstance(state, dict) and set(state) == {"sim_digest"}:

@@ -198,7 +198,7 @@ class FleetClient:
                 if attempt + 1 >= attempts:
                     raise EngineLostDuringCall(member.slot) from None
                 if progress.ids:
-                    reason = unmovable(request)
+                    reason = unmovable(request, progress)
                     if reason is not None:
                         get_metrics().migration("refused")
                         raise EngineLostDuringCall(member.slot, reason) from None

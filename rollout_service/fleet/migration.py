@@ -35,8 +35,11 @@ def merge_spans(spans) -> list[tuple[str, int, int]]:
     return out
 
 
-def unmovable(request: GenerateRequest) -> str | None:
+def unmovable(request: GenerateRequest, progress: "Progress | None" = None) -> str | None:
     """Why this generation cannot continue on another engine, or None if it can."""
+    if progress is not None and progress.labelled_only:
+        return ("the engine did not report the weight version of each generated id, so the spans across the "
+                "seam could not be exact")
     s = request.sampling
     if s.structured_outputs:
         return "a grammar-constrained generation cannot continue on another engine (its grammar state is not carried)"
@@ -57,6 +60,7 @@ class Progress:
     current: list[tuple[str, int, int]] = field(default_factory=list)  # this engine's, relative to offset
     migrations: int = 0
     finished: bool = False
+    labelled_only: bool = False  # a chunk came without spans: its ids' versions are not known exactly
 
     def take(self, chunk: GenerationChunk) -> GenerationChunk:
         """Record ``chunk`` and return it as the caller must see it."""
@@ -64,14 +68,15 @@ class Progress:
         self.ids += chunk.token_ids
         if chunk.weight_versions is not None:
             self.current = [tuple(span) for span in chunk.weight_versions]
-        elif chunk.token_ids:  # an engine that labels its chunks only: the chunk's version
+        elif chunk.token_ids:  # an engine that labels its chunks only: the version it had when it sent them
+            self.labelled_only = True
             self.current = merge_spans([*self.current, (chunk.weight_version, before, before + len(chunk.token_ids))])
         if chunk.finish_reason is not None:
             self.finished = True
         if not self.migrations:
             return chunk
         return replace(chunk, num_prompt_tokens=len(self.request.prompt_ids), migrations=self.migrations,
-                       weight_versions=None if chunk.weight_versions is None else self.all_spans())
+                       weight_versions=self.all_spans())
 
     def all_spans(self) -> list[tuple[str, int, int]]:
         return merge_spans([*self.spans, *((v, s + self.offset, e + self.offset) for v, s, e in self.current)])

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
+from rollout_service.fleet.types import is_engine_death
 from rollout_service.metrics import get_metrics
 from rollout_service.refit.types import RefitFailed, RefitInProgress, RefitReport, WeightSyncNotInitialized, short_error
 
@@ -111,7 +112,9 @@ class NcclRounds:
             finally:
                 report.transfer_s += time.perf_counter() - t0
         except BaseException as exc:
-            await self._nccl_release(round_, reload=False, error=exc)
+            # Once the start fan-out ran, some workers may have opened vLLM's session (layers on the
+            # meta device): back to the committed weights on every engine, not a bare resume.
+            await self._nccl_release(round_, reload=round_["step"] == "transfer", error=exc)
             raise
 
     def _nccl_renew(self) -> dict[str, Any]:
@@ -170,10 +173,16 @@ class NcclRounds:
             commits = await asyncio.gather(*[asyncio.wait_for(e.collective_rpc.remote(
                 "rs_commit", timeout=self.config.refit.step_timeout_s), self.config.refit.step_timeout_s)
                 for e in engines], return_exceptions=True)
-            report.commit_failed = [m.slot for m, r in zip(round_["view"].members, commits) if isinstance(r, Exception)]
+            report.commit_failed = [m.slot for m, r in zip(round_["view"].members, commits)
+                                    if isinstance(r, Exception) and not is_engine_death(r)]
+            report.engines_lost += [m.slot for m, r in zip(round_["view"].members, commits)
+                                    if isinstance(r, Exception) and is_engine_death(r)]
             report.resume_s = time.perf_counter() - t0
         except BaseException as exc:
-            await self._nccl_release(round_, reload=True, error=exc)
+            # Past the label step some engines may carry the new label: the old one goes back on
+            # every engine with the old weights.
+            await self._nccl_release(round_, reload=True, error=exc,
+                                     relabel=report.previous_version if round_["step"] == "label" else None)
             raise
         await self._nccl_release(round_, reload=False, committed=committed)
 
@@ -186,7 +195,8 @@ class NcclRounds:
                 await self._nccl_release(round_, reload=True, error=error, from_watchdog=True)
 
     async def _nccl_release(self, round_: dict[str, Any], *, reload: bool, committed: str | None = None,
-                            error: BaseException | str | None = None, from_watchdog: bool = False) -> None:
+                            error: BaseException | str | None = None, from_watchdog: bool = False,
+                            relabel: str | None = None) -> None:
         """End ``round_`` (if it is still the one in progress): optionally reload the last committed
         weights, resume, end the fleet bracket, and record the round, once: ``ok`` without
         ``error``, else ``failed`` at the step it had reached — with its report if it got as far as
@@ -205,6 +215,14 @@ class NcclRounds:
                     "rs_nccl_abort", timeout=timeout), timeout) for e in engines], return_exceptions=True)
                 if report is not None:
                     report.rolled_back = not any(isinstance(r, BaseException) for r in reloads)
+                if relabel is not None:
+                    labels = await asyncio.gather(*[asyncio.wait_for(e.set_weight_version.remote(relabel), timeout)
+                                                    for e in engines], return_exceptions=True)
+                    # An engine that could not be put back on its old weights and label must not serve.
+                    for m, r, lbl in zip(round_["view"].members, reloads, labels):
+                        if isinstance(r, BaseException) or isinstance(lbl, BaseException):
+                            await self.fleet.mark_dead.remote(m.slot, m.generation,
+                                                              "rollback or relabel failed after a failed NCCL round")
             t0 = time.perf_counter()
             # Deadlines: a stalled engine must not hold the round open (the fleet resumes one left
             # paused after fleet.resume_unbracketed_pause_s, and replaces a hung one).

@@ -79,7 +79,12 @@ end
 _LUA_APPEND = _LUA_KEYS + """
 local m = redis.call('HMGET', meta, 'turn', 'nseg', 'aid')
 local stored = tonumber(m[1] or '0')
-if m[3] == ARGV[12] and stored == tonumber(ARGV[2]) then return {1, tonumber(m[2] or '0')} end
+if m[3] == ARGV[12] and stored == tonumber(ARGV[2]) then
+  -- a resend of an append that landed: refresh the expiry (a write on this connection, so a WAIT
+  -- after it covers the original append too) and report success
+  expire_all(tonumber(m[2] or '0'), tonumber(ARGV[5]))
+  return {1, tonumber(m[2] or '0')}
+end
 if stored ~= tonumber(ARGV[1]) then return {0, stored} end
 local nseg = tonumber(m[2] or '0')
 local seg = tonumber(ARGV[3])

@@ -141,6 +141,14 @@ class RolloutWorkerExtension:
             self._rs_spare = None
         return self
 
+    def _rs_new_round(self) -> None:
+        """A refit starts: a backup still held is one a failed commit left behind (that refit rolled
+        forward), never one to roll back to from here on."""
+        self._rs_state()
+        if self._rs_previous is not None:
+            self._rs_drop(self._rs_previous)
+            self._rs_previous = None
+
     def _rs_drop(self, source: "_Source | None") -> None:
         """A source no longer needed: its receive buffers serve the next collective refit."""
         if source is not None and source.buffers is not None:
@@ -149,7 +157,7 @@ class RolloutWorkerExtension:
         """Receive every bucket of the broadcast; the model is not touched."""
         from rollout_service.weights.collective import BucketPlan, receive_buckets
 
-        self._rs_state()
+        self._rs_new_round()
         group = getattr(self, "_rs_group", None)
         if group is None:
             raise RuntimeError("no weight-sync group: call init_weight_sync first")
@@ -165,7 +173,7 @@ class RolloutWorkerExtension:
         """Read a safetensors file the engine actor wrote (object-store transport) into memory."""
         from safetensors.torch import load_file
 
-        self._rs_state()
+        self._rs_new_round()
         self._rs_staged = None
         t0 = time.perf_counter()
         try:
@@ -181,7 +189,7 @@ class RolloutWorkerExtension:
 
     def rs_stage_path(self, path: str) -> dict[str, Any]:
         """Checkpoint-directory transport: nothing to receive, the load reads the files."""
-        self._rs_state()
+        self._rs_new_round()
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {path}")
         nbytes = sum(
@@ -220,7 +228,6 @@ class RolloutWorkerExtension:
         if staged is None:
             raise RuntimeError("nothing staged to load")
         self._rs_staged = None
-        self._rs_drop(self._rs_previous)  # a backup left by a commit that failed (the refit rolled forward)
         self._rs_previous, self._rs_current = self._rs_current, staged
         t0 = time.perf_counter()
         if fail_after_tensors is not None:
@@ -264,7 +271,7 @@ class RolloutWorkerExtension:
     # last committed weights. A replacement engine then exports what was loaded, and a later
     # failed round rolls back to it, not to the model's own checkpoint.
     def rs_nccl_start(self) -> None:
-        self._rs_state()
+        self._rs_new_round()
         self.start_weight_update()
         engine = self.weight_transfer_engine
         self._rs_nccl_received = []
@@ -347,6 +354,12 @@ class _Recording:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
+    def __setattr__(self, name, value):  # vLLM's finalize sets flags on the model it was given
+        if name in ("_model", "_sink"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._model, name, value)
+
 
 def _merged(base: _Source, received: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """The full state after a round that loaded ``received`` over ``base``: the last tensor of
@@ -359,7 +372,11 @@ def _merged(base: _Source, received: list[tuple[str, Any]]) -> list[tuple[str, A
     from safetensors import safe_open
 
     missing = []
-    for file in sorted(glob.glob(os.path.join(base.path, "*.safetensors"))):
+    files = sorted(glob.glob(os.path.join(base.path, "*.safetensors")))
+    if not files:  # e.g. a hub id, not a directory: the full state cannot be recorded honestly
+        raise RuntimeError(f"cannot record the weights of a partial NCCL round over {base.path!r}: no "
+                           "*.safetensors there (engine.model must be a local checkpoint directory)")
+    for file in files:
         with safe_open(file, "pt", device="cpu") as handle:
             missing += [(n, handle.get_tensor(n)) for n in handle.keys() if n not in new]
     return [*missing, *new.items()]
