@@ -71,7 +71,7 @@ def apply_proxy_env(mode: str) -> None:
     if mode == "haproxy":
         for k in HAPROXY_PORT_ENV:
             if not os.environ.get(k):
-                os.environ[k] = str(free_port())
+                os.environ[k] = str(listen_port())
         for k, v in LOCAL_HAPROXY_DEFAULTS.items():
             os.environ.setdefault(k, v)
 
@@ -82,6 +82,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def listen_port() -> int:
+    """A free port for a server that binds it later (HAProxy's stats and metrics listeners), taken
+    below the kernel's ephemeral range and above Ray's worker ports (10002-19999): a port the
+    kernel hands out as ephemeral can be taken by any outgoing connection before the server binds
+    it (measured once in CI: HAProxy's stats listener failed with "Address already in use")."""
+    import random
+    import socket
+
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = list(range(20000, max(20001, low)))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return port
+            except OSError:
+                continue
+    return free_port()
 
 
 # vLLM on this project's CPU machines: the worker inside the engine-core process (faster start, half
