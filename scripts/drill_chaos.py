@@ -36,7 +36,6 @@ import json
 import os
 import random
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -47,32 +46,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rollout_service.ops.runtime import apply_local_env  # noqa: E402
+from rollout_service.ops.runtime import apply_local_env, free_port  # noqa: E402
 
 apply_local_env()
 
+from drill_replica_kill import replica_pids  # noqa: E402  (this directory: the Serve replicas' processes)
+
 FLEET = {"probe_interval_s": 0.5, "probe_timeout_s": 3.0, "dead_after_failures": 3, "unresponsive_after_s": 6.0,
          "backoff_initial_s": 1.0, "resume_unbracketed_pause_s": 10.0}
-REPLICA_CMD = b"ServeReplica:rollout-service:RolloutService"
 FAULTS = ("engine kill", "engine hang", "replica kill", "redis kill", "fleet kill", "controller kill", "trainer kill")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def replica_pids() -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if REPLICA_CMD in Path(f"/proc/{name}/cmdline").read_bytes():
-                    out.append(int(name))
-            except OSError:
-                pass
-    return sorted(out)
 
 
 # ------------------------------------------------------------------------------ trainer child
