@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the suite's synthetic rollouts
 from rollout_service.config import StoreConfig  # noqa: E402
 from rollout_service.store import RedisRolloutStore, StoreError, StoreUnavailable  # noqa: E402
-from rollout_service.store.embedded import LocalSentinelGroup  # noqa: E402
+from rollout_service.store.sentinel_group import LocalSentinelGroup  # noqa: E402
 from synthetic_rollouts import synthetic_delta  # noqa: E402
 
 

@@ -87,7 +87,7 @@ def test_the_readmes_test_selection_example_selects_a_test():
 
 
 def test_the_documented_redis_cluster_url_is_a_cluster_url():
-    from rollout_service.store.redis_store import parse_redis_url
+    from rollout_service.store.urls import parse_redis_url
 
     docs = {p.name: p.read_text() for p in [ROOT / "README.md", *DOCS.glob("*.md")]}
     examples = {url for text in docs.values() for url in re.findall(r"redis\+cluster://[^\s`'\"),]+", text)}

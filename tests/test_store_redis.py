@@ -15,7 +15,7 @@ from redis.crc import key_slot
 
 from rollout_service.store import EmbeddedRedis, EmbeddedRedisError, RedisRolloutStore, StoreUnavailable, TurnConflict
 from rollout_service.store.embedded import free_port
-from rollout_service.store.redis_store import parse_redis_url
+from rollout_service.store.urls import parse_redis_url
 from synthetic_rollouts import synthetic_delta, synthetic_rollout
 
 

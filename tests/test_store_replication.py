@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from rollout_service.store import RedisRolloutStore, StoreUnavailable
-from rollout_service.store.embedded import LocalSentinelGroup
+from rollout_service.store.sentinel_group import LocalSentinelGroup
 from synthetic_rollouts import synthetic_rollout
 
 

@@ -11,7 +11,8 @@ from rollout_service.store.base import (
     validate_rollout_id,
 )
 from rollout_service.store.embedded import EmbeddedRedis, EmbeddedRedisError
-from rollout_service.store.redis_store import RedisRolloutStore, parse_redis_url
+from rollout_service.store.redis_store import RedisRolloutStore
+from rollout_service.store.urls import parse_redis_url
 
 __all__ = [
     "EmbeddedRedis",
