@@ -8,6 +8,7 @@ mode under load is scripts/drill_sentinel.py (docs/reliability.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -34,6 +35,19 @@ def _store(url: str, **store) -> RedisRolloutStore:
         {"redis_url": url, "key_prefix": "repl", "timeout_s": 2.0, "retries": 2, **store}))
 
 
+@contextlib.contextmanager
+def replicas_stalled(group):
+    """Every replica SIGSTOPped for the block (a slow network, a busy replica), resumed after."""
+    pids = [r.pid for r in group.replicas]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
 def _turn_on(port: int, store: RedisRolloutStore, rid: str) -> int:
     value = redis.Redis(port=port).hget(store.meta_key(rid), "turn")
     return int(value or 0)
@@ -58,13 +72,10 @@ async def test_replicated_refuses_to_acknowledge_what_no_replica_holds_in_time(g
     store.replication_timeout_s; local acknowledges at once (the primary has it)."""
     replicated = _store(group.url, durability="replicated", min_replicas=1, replication_timeout_s=0.3)
     local = _store(group.url)
-    pids = [r.pid for r in group.replicas]
     deltas, _ = synthetic_rollout(random.Random(2), [3])
     try:
         await replicated.append_turn("stalled-repl", deltas[0], expected_turn=0)
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+        with replicas_stalled(group):
             t0 = time.monotonic()
             with pytest.raises(StoreUnavailable, match="replica"):
                 await replicated.append_turn("stalled-repl", deltas[1], expected_turn=1)
@@ -80,9 +91,6 @@ async def test_replicated_refuses_to_acknowledge_what_no_replica_holds_in_time(g
                 await replicated.ensure_replicated("stalled-repl")
             await local.append_turn("stalled-local", deltas[0], expected_turn=0)
             await local.ensure_replicated("stalled-local")  # local: nothing to wait for
-        finally:
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
         print(f"replicated with stalled replicas: StoreUnavailable after {took:.2f}s (replication_timeout_s 0.3)")
         assert 0.25 <= took <= 1.5
         # The turn is written on the primary: the call's retry finds it (and replays it), never a second copy.
@@ -101,20 +109,14 @@ async def test_a_resent_replicated_append_is_not_acknowledged_before_the_replica
     proxy = ReplyDropper(group.primary_port())
     url = await proxy.start()
     s = _store(url, durability="replicated", min_replicas=1, replication_timeout_s=0.3)
-    pids = [r.pid for r in group.replicas]
     deltas, _ = synthetic_rollout(random.Random(4), [2])
     try:
         await s.append_turn("resent", deltas[0], expected_turn=0)
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+        with replicas_stalled(group):
             proxy.armed = True
             with pytest.raises(StoreUnavailable, match="replica"):
                 await s.append_turn("resent", deltas[1], expected_turn=1)
             assert proxy.dropped == 1
-        finally:
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
         assert (await s.load("resent")).turn == 2  # on the primary: the call's retry replays it
         await s.ensure_replicated("resent")  # and now the replicas hold it
     finally:

@@ -29,6 +29,7 @@ from rollout_service.fleet.types import FleetView, Member, actor_identity, is_ac
 from rollout_service.weights.collective import ABORT_MESSAGE
 from rollout_service.metrics import get_metrics
 from rollout_service.refit.nccl import NcclRounds
+from rollout_service.refit.recovery import RestartRecovery
 from rollout_service.refit.types import (
     MEMBERSHIP_CHANGED,
     RefitFailed,
@@ -44,7 +45,7 @@ CONTROLLER_NAME = "rollout-service-refit"
 CONTROLLER_NAMESPACE = "rollout-service"
 
 
-class RefitController(NcclRounds):
+class RefitController(NcclRounds, RestartRecovery):
     def __init__(self, config: RolloutServiceConfig | dict, fleet=None):
         self.config = config if isinstance(config, RolloutServiceConfig) else RolloutServiceConfig.model_validate(config)
         self._fleet = fleet
@@ -90,87 +91,6 @@ class RefitController(NcclRounds):
                 if view.version not in self._version_history:
                     self._version_history.append(view.version)
             return startup
-
-    async def _after_restart(self) -> None:
-        if not self._reconstructed:
-            return
-        async with self._recover_lock:
-            if self._reconstructed:
-                self.recovered = await self._end_abandoned_refit()
-                self._reconstructed = False
-                logger.warning("refit controller restarted: %s", self.recovered)
-
-    async def _end_abandoned_refit(self) -> dict[str, Any]:
-        """After a restart: whatever refit the previous incarnation was running is over. Every
-        serving engine is brought back to one version and resumed:
-
-        - an engine that loaded new weights without committing them reloads the previous ones
-          (``rs_rollback``) and takes the fleet's version label back;
-        - if every engine committed the same new version (the old incarnation died between the
-          commit and telling the fleet), the fleet is told: the refit happened;
-        - an engine that committed a version the others did not is handed to the fleet to be
-          replaced on the current version (its weights cannot be rolled back);
-        - the NCCL path loads in place with nothing staged: every engine goes back to its last
-          committed weights (``rs_nccl_abort``), as when a round's lease runs out;
-        - every engine is resumed (idempotent) and the fleet's refit bracket ended.
-        The trainer's refit call failed with the controller's death; it may retry."""
-        timeout = self.config.refit.step_timeout_s
-        stats = await asyncio.wait_for(self.fleet.stats.remote(), timeout)
-        view = await asyncio.wait_for(self.fleet.view.remote(), timeout)
-        current = stats["weight_version"]
-        healths = await asyncio.gather(*[asyncio.wait_for(m.handle.health.remote(), timeout) for m in view.members],
-                                       return_exceptions=True)
-        left = stats.get("refitting") or any(
-            isinstance(h, BaseException) or h.get("paused") or h.get("weight_version") != current for h in healths)
-        if not left:  # died between refits: nothing to undo (and nothing to reload: NCCL engines keep theirs)
-            self.weight_version = current
-            if current not in self._version_history:
-                self._version_history.append(current)
-            return {"version": current, "engines": len(view.members), "rolled_back": 0, "relabelled": 0,
-                    "replaced": 0, "rolled_forward": None}
-        nccl = self.config.refit.backend == "nccl"
-
-        async def one(m: Member):
-            e = m.handle
-            rolled = await asyncio.wait_for(e.collective_rpc.remote("rs_nccl_abort" if nccl else "rs_rollback",
-                                                                    timeout=timeout), timeout)
-            if not nccl:
-                await asyncio.wait_for(e.collective_rpc.remote("rs_discard_staged", timeout=timeout), timeout)
-            return (bool(nccl or any(r.get("reloaded") for r in rolled if r)),
-                    await asyncio.wait_for(e.weight_version.remote(), timeout))
-
-        results = await asyncio.gather(*[one(m) for m in view.members], return_exceptions=True)
-        done: dict[str, Any] = {"version": current, "engines": len(view.members), "rolled_back": 0,
-                                "relabelled": 0, "replaced": 0, "rolled_forward": None}
-        alive = [(m, r) for m, r in zip(view.members, results) if not isinstance(r, BaseException)]
-        for m, r in zip(view.members, results):
-            if isinstance(r, BaseException):  # dead or broken: the fleet replaces it on the current version
-                await self.fleet.mark_dead.remote(m.slot, m.generation, f"after a controller restart: {short_error(r)}")
-                done["replaced"] += 1
-        versions = {version for (_, version) in (r for _, r in alive)}
-        kept = [(m, rolled, version) for m, (rolled, version) in alive]
-        if len(versions) == 1 and versions != {current} and not any(rolled for _, rolled, _ in kept):
-            done["rolled_forward"] = done["version"] = next(iter(versions))  # every engine committed it
-        else:
-            for m, rolled, version in kept:
-                done["rolled_back"] += int(rolled)
-                if version == current:
-                    continue
-                if rolled:  # back on the previous weights: the previous label too
-                    await asyncio.wait_for(m.handle.set_weight_version.remote(current), timeout)
-                    done["relabelled"] += 1
-                else:
-                    await self.fleet.mark_dead.remote(m.slot, m.generation, "committed a version the fleet never "
-                                                      "recorded (controller died mid-refit)")
-                    done["replaced"] += 1
-        await asyncio.gather(*[asyncio.wait_for(m.handle.resume.remote(), timeout) for m, _ in alive],
-                             return_exceptions=True)
-        if stats.get("refitting") or done["rolled_forward"]:
-            await self.fleet.end_refit.remote(done["rolled_forward"])
-        self.weight_version = done["version"]
-        if self.weight_version not in self._version_history:
-            self._version_history.append(self.weight_version)
-        return done
 
     async def register_with_fleet(self) -> None:
         """Live and die with the fleet: it kills this actor when the Serve app is deleted."""
