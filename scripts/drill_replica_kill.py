@@ -64,6 +64,7 @@ class Agents:
         self.longest = 0.0
         self.failures: list[tuple[float, str]] = []
         self.answered: list[float] = []
+        self.replicas: dict[str, list[str]] = {}  # rollout id -> the replica that answered each acked turn
 
     async def agent(self, rid: str, seed: int) -> list[dict]:
         messages = [{"role": "user", "content": f"{rid}: count the stars"}]
@@ -84,6 +85,7 @@ class Agents:
                 self.outcomes[outcome] += 1
                 if r is not None and r.status_code == 200:
                     self.answered.append(time.monotonic())
+                    self.replicas.setdefault(rid, []).append(r.headers.get("x-rollout-replica", ""))
                     break
                 self.failures.append((time.monotonic(), f"{outcome}: {(r.text[:120] if r is not None else '')}"))
                 await asyncio.sleep(0.5)
