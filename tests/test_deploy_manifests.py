@@ -50,6 +50,7 @@ import yaml
 from referencing import Registry, Resource
 
 from rollout_service.config import RolloutServiceConfig
+from rollout_service.ops.runtime import PROXY_ENV
 
 try:
     import tomllib
@@ -474,6 +475,9 @@ def rayservice_consistency_problems(rs: dict) -> list[str]:
                 problems.append(f"consistency: {name} container lacks {var} from a Secret")
         if "readinessProbe" not in c or "livenessProbe" not in c:
             problems.append(f"consistency: {name} container lacks readiness or liveness probe")
+        for var, value in PROXY_ENV["haproxy"].items():  # the ingress `up` runs, on every node
+            if env.get(var, {}).get("value") != value:
+                problems.append(f"consistency: {name} container lacks {var}={value} (the HAProxy ingress)")
     workers = [(g, c) for name, g, c in containers if name != "head"]
     for app in _serve_config(rs).get("applications", []):
         engine = RolloutServiceConfig.from_args(app.get("args")).engine
@@ -783,6 +787,14 @@ def test_deployment_files_exist():
 
 
 @pytest.mark.parametrize("path", _deployment_files(), ids=lambda p: p.name)
+def test_serve_config_file_tells_how_to_run_the_haproxy_ingress(path):
+    """The ingress is chosen by Ray's environment, not by a Serve config: each file says what to export."""
+    text = path.read_text()
+    for var, value in PROXY_ENV["haproxy"].items():
+        assert re.search(rf"export .*{var}='?{re.escape(value)}'?", text), f"{path.name}: {var}={value}"
+
+
+@pytest.mark.parametrize("path", _deployment_files(), ids=lambda p: p.name)
 def test_serve_config_file_parses_with_ray_and_our_config(path):
     assert serve_config_problems(yaml.safe_load(path.read_text()), path.name) == []
 
@@ -845,6 +857,10 @@ def _worker_group(rs: dict) -> dict:
     return rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
 
 
+def _worker_env(rs: dict) -> list:
+    return _worker_group(rs)["template"]["spec"]["containers"][0]["env"]
+
+
 RAYSERVICE_BREAKAGES = {
     "replicas is a string": (lambda rs: _worker_group(rs).update(replicas="two"), "crd: spec.rayClusterConfig.workerGroupSpecs.0.replicas"),
     "serveConfigV2 is a map": (lambda rs: rs["spec"].update(serveConfigV2={"applications": []}), "crd: spec.serveConfigV2"),
@@ -870,6 +886,8 @@ RAYSERVICE_BREAKAGES = {
     "more engines than worker CPUs": (lambda rs: _with_args(rs, lambda a: a["engine"].update(num_engines=64)), "consistency: engines need more CPUs"),
     "gpu engine on cpu images": (lambda rs: _with_args(rs, lambda a: a["engine"].update(device="cuda")), "consistency:"),
     "redis url not from a secret": (lambda rs: _head(rs).update(env=[{"name": "ROLLOUT_SERVICE_REDIS_URL", "value": "redis://x"}]), "lacks ROLLOUT_SERVICE_REDIS_URL"),
+    "worker on serve's python proxy": (lambda rs: _worker_env(rs).__setitem__(slice(None), [e for e in _worker_env(rs) if e["name"] != "RAY_SERVE_ENABLE_HA_PROXY"]), "container lacks RAY_SERVE_ENABLE_HA_PROXY=1"),
+    "haproxy balancing without the rollout header": (lambda rs: next(e for e in _head(rs)["env"] if e["name"] == "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM").update(value="leastconn"), "head container lacks RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"),
     "head on the stock ray image": (lambda rs: _head(rs).update(image="rayproject/ray:2.60.0-py311-cpu"), "consistency: head image rayproject/ray:2.60.0-py311-cpu is not the rollout-service image"),
     "image of another version": (lambda rs: _head(rs).update(image="registry.example.com/rollout-service:0.0.1-cpu"), "is not rollout-service:"),
 }

@@ -36,3 +36,25 @@ def test_engine_on_the_worker_node_refits_across_nodes_and_heals_there():
     assert out["healed"]["version"] == "mn-1" and out["healed"]["checksum"] == out["after_refit"]["checksum"]
     assert out["refit_2"]["ok"] and out["after_refit_2"]["version"] == "mn-2"
     assert out["after_refit_2"]["checksum"] != out["healed"]["checksum"]
+
+
+@pytest.mark.cluster
+def test_haproxy_ingress_on_two_nodes_keeps_affinity_and_exact_rollouts_through_a_worker_replica_kill():
+    """The ingress of deployments/ and k8s/ (Serve's HAProxy mode) on two nodes: replicas on both,
+    a rollout's turns on one replica, a worker-node replica SIGKILLed under agents, nothing lost
+    (scripts/drill_two_node.py does the work and prints its result as JSON last)."""
+    script = HERE.parent / "scripts" / "drill_two_node.py"
+    proc = subprocess.run([sys.executable, str(script), "--json", "--rollouts", "12", "--turns", "5"],
+                          capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps({k: out[k] for k in ("outcomes", "longest_call_s", "replaced_s", "turns_by_node")}))
+    assert set(out["replicas"].values()) == {"head", "worker"} and out["engines"] == ["worker", "worker"]
+    assert out["turns_by_node"]["worker"] > 0 and out["turns_by_node"]["head"] > 0
+    assert out["acked"] == 2 * 12 * 5 and out["lost"] == 0 and out["forks"] == 0
+    # The victim owned rollouts; each moved once, to a replica that kept it; no rollout moved twice.
+    assert out["victim"] and out["replicas"][out["victim"]] == "worker" and out["victim_rollouts"]
+    assert all(out["moves"][rid] == 1 for rid in out["victim_rollouts"])
+    assert max(out["moves"].values()) == 1
+    # Serve replaced the victim; afterwards every rollout stays on one replica.
+    assert out["replacement"] and out["replaced_s"] is not None and out["wave2_moves"] == 0
