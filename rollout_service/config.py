@@ -367,6 +367,17 @@ class FleetConfig(_Strict):
         description="An engine the fleet's probes find paused for this long while no refit runs is resumed (a "
         "refit's pause that landed after its controller died or gave up would otherwise hold its calls forever).",
     )
+    call_deadline_s: float = Field(
+        900.0, gt=0,
+        description="Fixed part of an engine call's deadline: a generation not finished within call_deadline_s + "
+        "call_deadline_s_per_token x max_tokens (whatever engines it ran on, refit pauses included) is aborted in "
+        "its engine and answered 504 engine_deadline, nothing stored. A safety net for a call that never ends on an "
+        "engine that still passes its probes; an engine that stops answering is unresponsive_after_s's.",
+    )
+    call_deadline_s_per_token: float = Field(
+        0.25, ge=0, description="Per-token part of an engine call's deadline (see call_deadline_s), in seconds per "
+        "token of the call's max_tokens.",
+    )
     keep_weights_copy: bool = Field(
         True,
         description="After a refit whose weights came from memory (collective, object store), keep one copy in "

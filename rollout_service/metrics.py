@@ -129,6 +129,8 @@ METRICS: tuple[MetricDef, ...] = (
     _m("turn_migrations_total", "counter", "Calls whose engine died mid-generation, by outcome: continued "
        "(on another engine, from the ids generated so far) or refused (a grammar or presence / frequency "
        "penalties: answered 503 engine_lost).", ("outcome",)),
+    _m("engine_call_deadlines_total", "counter", "Generations aborted at their deadline (fleet.call_deadline_s + "
+       "fleet.call_deadline_s_per_token x max_tokens) and answered 504 engine_deadline.", ()),
     _m("weight_version", "gauge", "Info-style: 1 with the weight version the fleet serves as label `version`.",
        ("fleet", "version"), source="fleet"),
     # ---- refit controller
@@ -367,6 +369,9 @@ class ServiceMetrics:
 
     def migration(self, outcome: str) -> None:
         self.series("rollout_service_turn_migrations_total", outcome).record(1)
+
+    def engine_call_deadline(self) -> None:
+        self.series("rollout_service_engine_call_deadlines_total").record(1)
 
     def pin_moved(self) -> None:
         self.series("rollout_service_engine_pin_moves_total").record(1)

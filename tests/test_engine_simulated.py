@@ -19,7 +19,7 @@ from rollout_service.config import EngineConfig
 from rollout_service.engine.sampling import SamplingOptions
 from rollout_service.engine.types import GenerateRequest, GenerationChunk
 from rollout_service.fleet.client import FleetClient
-from rollout_service.fleet.types import FleetView, Member, is_engine_death
+from rollout_service.fleet.types import EngineCallDeadline, FleetView, Member, is_engine_death
 
 PROMPT = [151644, 872, 198, 9707, 11, 1879, 0, 151645, 198, 151644, 77091, 198]
 STEP_S = 0.004
@@ -322,5 +322,68 @@ async def test_a_killed_engine_is_an_engine_lost_and_uses_little_memory(ray_sess
                 pass
         assert is_engine_death(info.value), info.value
     finally:
+        client.close_channels()
+        ray.kill(actor)
+
+
+async def _past_deadline(client, member, request, stream) -> tuple[float, int]:
+    """(seconds until EngineCallDeadline, tokens received before it) of one call through the failover path."""
+    client.view = FleetView(1, "0", (member,))
+    got, t0 = 0, time.monotonic()
+    with pytest.raises(EngineCallDeadline) as info:
+        async for chunk in client.generate_with_failover("deadline-rollout", request, stream):
+            got += len(chunk.token_ids)
+    assert info.value.status == 504 and "nothing was stored" in str(info.value)
+    return time.monotonic() - t0, got
+
+
+async def test_a_generation_past_its_deadline_is_aborted_in_its_engine_and_the_engine_serves_on(sim):
+    """fleet.call_deadline_s: 0.3 s + 0 per token for a 400-token generation at 4 ms a step (1.6 s):
+    over the data channel and over Ray, streamed and not, the call ends at its deadline with a 504 and
+    the engine's request is gone; with the per-token part the same generation fits and completes."""
+    actor, address = sim
+    client, tcp, over_ray = _client(actor, address)
+    client.call_deadline_s, client.call_deadline_s_per_token = 0.3, 0.0
+    try:
+        for member in (tcp, over_ray):
+            for stream in (True, False):
+                took, got = await _past_deadline(client, member, _request(7, max_tokens=400), stream)
+                assert 0.3 <= took < 1.3, (member.channel, stream, took)
+                assert (got > 0) == stream  # a streamed call had passed tokens on; a whole one none
+                deadline = time.monotonic() + 10
+                while await actor.num_in_flight.remote() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                assert await actor.num_in_flight.remote() == 0, (member.channel, stream)
+        client.call_deadline_s_per_token = 0.01  # 0.3 + 4 s for 400 tokens
+        client.view = FleetView(1, "0", (tcp,))
+        chunks = [c async for c in client.generate_with_failover("deadline-rollout", _request(7, max_tokens=400), False)]
+        assert len(GenerationChunk.concat(chunks).token_ids) == 400
+    finally:
+        client.close_channels()
+
+
+async def test_a_call_on_a_stopped_engine_ends_at_its_deadline(ray_session, tiny_model_dir):
+    """A real stalled peer: the engine process SIGSTOPped mid-stream, its socket open. The call ends
+    with a 504 at its deadline instead of waiting for the fleet's hang detection."""
+    import ray
+
+    actor = _start(_config(tiny_model_dir), index=3)
+    address = await actor.open_channel.remote()
+    client, tcp, _ = _client(actor, address)
+    client.call_deadline_s = 1.0
+    pid = (await actor.health.remote())["pid"]
+    try:
+        client.view = FleetView(1, "0", (tcp,))
+        got, t0 = 0, time.monotonic()
+        with pytest.raises(EngineCallDeadline):
+            async for chunk in client.generate_with_failover("stopped-rollout", _request(5, max_tokens=1000), True):
+                got += len(chunk.token_ids)
+                if got >= 5 and t0 > 0:
+                    os.kill(pid, signal.SIGSTOP)
+                    t0 = -time.monotonic()  # stopped once
+        took = time.monotonic() + t0
+        assert got >= 5 and took < 2.0, (got, took)
+    finally:
+        os.kill(pid, signal.SIGCONT)
         client.close_channels()
         ray.kill(actor)

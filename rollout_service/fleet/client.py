@@ -25,6 +25,7 @@ from rollout_service.engine.types import GenerateRequest
 from rollout_service.fleet.migration import Progress, unmovable
 from rollout_service.fleet.routing import Route, RoutingPolicy, Sticky
 from rollout_service.fleet.types import (
+    EngineCallDeadline,
     EngineLostDuringCall,
     FleetView,
     Member,
@@ -38,8 +39,11 @@ logger = logging.getLogger(__name__)
 
 class FleetClient:
     def __init__(self, fleet, view: FleetView | None = None, policy: RoutingPolicy | None = None,
-                 max_pins: int = 100_000, poll_s: float = 2.0, resolve: Any = None):
+                 max_pins: int = 100_000, poll_s: float = 2.0, resolve: Any = None,
+                 call_deadline_s: float | None = None, call_deadline_s_per_token: float = 0.0):
         self.fleet = fleet
+        # A generation's deadline: call_deadline_s + call_deadline_s_per_token x max_tokens (None: none).
+        self.call_deadline_s, self.call_deadline_s_per_token = call_deadline_s, call_deadline_s_per_token
         self.resolve = resolve  # () -> a fleet handle: called when the fleet actor is dead for good
         self.view = view
         self.policy = policy or Sticky()
@@ -61,7 +65,8 @@ class FleetClient:
 
     def __getstate__(self):
         return {"fleet": self.fleet, "view": self.view, "policy": self.policy, "max_pins": self.max_pins,
-                "poll_s": self.poll_s, "resolve": self.resolve}
+                "poll_s": self.poll_s, "resolve": self.resolve, "call_deadline_s": self.call_deadline_s,
+                "call_deadline_s_per_token": self.call_deadline_s_per_token}
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -171,11 +176,14 @@ class FleetClient:
         on so far (:mod:`~rollout_service.fleet.migration`), each live engine tried at most once. A
         generation that cannot be continued honestly (a grammar, presence / frequency penalties),
         or no engine left to try: :class:`EngineLostDuringCall`. No engine serving:
-        :class:`NoEngineAvailable`. Any other error of the call is raised as is. ``routed``, if
-        given, gets the :class:`Route` of every attempt.
+        :class:`NoEngineAvailable`. A generation still running at its deadline (:meth:`deadline_s`,
+        over every engine it ran on) is aborted there: :class:`EngineCallDeadline`. Any other error
+        of the call is raised as is. ``routed``, if given, gets the :class:`Route` of every attempt.
         """
         attempts = max(2, len(self.members()))  # each live engine once; at least one retry
         progress = Progress(request)
+        budget = self.deadline_s(request.max_tokens)
+        deadline = None if budget is None else asyncio.get_running_loop().time() + budget
         for attempt in range(attempts):
             route = self.route(rollout_id)
             member = route.member
@@ -186,9 +194,20 @@ class FleetClient:
             self.acquire(member)
             chunks = self.generate(member, request, stream)
             try:
-                async for chunk in chunks:
+                while True:
+                    try:  # the deadline covers the wait for each chunk, never the caller's use of it
+                        async with asyncio.timeout_at(deadline):
+                            chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError:
+                        get_metrics().engine_call_deadline()
+                        logger.warning("a call of rollout %s on engine slot %d passed its %.1fs deadline after %d "
+                                       "tokens; aborted", rollout_id, member.slot, budget, len(progress.ids))
+                        raise EngineCallDeadline(member.slot, budget, len(progress.ids)) from None
                     yield progress.take(chunk)
-                return
+            except EngineCallDeadline:
+                raise
             except Exception as exc:
                 if not is_engine_death(exc):
                     raise
@@ -215,6 +234,12 @@ class FleetClient:
             finally:
                 self.release(member)
                 await chunks.aclose()
+
+    def deadline_s(self, max_tokens: int) -> float | None:
+        """Seconds a generation of up to ``max_tokens`` may take, whatever engines it runs on."""
+        if self.call_deadline_s is None:
+            return None
+        return self.call_deadline_s + self.call_deadline_s_per_token * max_tokens
 
     async def generate(self, member: Member, request, stream: bool) -> AsyncIterator:
         """``request`` (:class:`~rollout_service.engine.types.GenerateRequest`) on ``member``'s engine: its chunks as they come

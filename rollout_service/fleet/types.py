@@ -55,6 +55,21 @@ class NoEngineAvailable(RuntimeError):
     code = "no_engine"
 
 
+class EngineCallDeadline(RuntimeError):
+    """A generation ran past its deadline (``fleet.call_deadline_s`` + per token of ``max_tokens``): it
+    was aborted in its engine and nothing of it was stored; the call can be retried."""
+
+    status = 504
+    error_type = "timeout"
+    code = "engine_deadline"
+
+    def __init__(self, slot: int, deadline_s: float, generated: int):
+        super().__init__(f"the generation did not finish within its deadline of {deadline_s:.1f}s (engine replica "
+                         f"{slot}, {generated} tokens generated): it was aborted and nothing was stored; retry the call")
+        self.slot = slot
+        self.deadline_s = deadline_s
+
+
 class EngineLostDuringCall(RuntimeError):
     """The engine serving a call died and the call could not go on elsewhere (a generation that
     cannot be continued on another engine, ``reason``; or every engine tried): nothing of the call

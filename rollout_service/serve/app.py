@@ -157,7 +157,9 @@ class RolloutService(ForwardingReplica):
                 routing = self.config.routing
                 policy = make_policy(routing.policy, load_margin=routing.load_margin,
                                      prefix_caching=self.config.engine.enable_prefix_caching)
-                client = await connect(fleet, policy=policy, resolve=lambda: get_or_create_fleet(self.config))
+                client = await connect(fleet, policy=policy, resolve=lambda: get_or_create_fleet(self.config),
+                                       call_deadline_s=self.config.fleet.call_deadline_s,
+                                       call_deadline_s_per_token=self.config.fleet.call_deadline_s_per_token)
                 client.on_fleet_restart.append(lambda: self._reattach(client))
                 runner = TurnRunner(self.config, client, store, tokenizer)
                 try:

@@ -24,7 +24,7 @@ from rollout_service.engine.types import GenerateRequest
 from rollout_service.engine.sampling import SamplingOptions, SamplingParamsError
 from rollout_service.metrics import get_metrics
 from rollout_service.fleet.client import FleetClient
-from rollout_service.fleet.types import EngineLostDuringCall, NoEngineAvailable
+from rollout_service.fleet.types import EngineCallDeadline, EngineLostDuringCall, NoEngineAvailable
 from rollout_service.onpolicy import (
     ChatTemplate,
     HistoryConflict,
@@ -459,7 +459,7 @@ class TurnRunner(RolloutReads):
                         yield passed
                         return  # (closing the call aborts the rest in the engine)
                 yield chunk
-        except (NoEngineAvailable, EngineLostDuringCall) as exc:
+        except (NoEngineAvailable, EngineLostDuringCall, EngineCallDeadline) as exc:
             raise http_error(exc) from None
         except Exception as exc:
             refused = engine_refusal(exc)
