@@ -46,7 +46,7 @@ from rollout_service.serve.protocol.openai import (
     ServiceError,
     TokenizeRequest,
 )
-from rollout_service.serve.dialects import chat, completions, responses
+from rollout_service.serve.dialects import chat, completions, responses, tokens
 from rollout_service.serve.dialects.common import RolloutHeaders, RolloutIdPath, rollout_headers, valid_rollout_id
 from rollout_service.serve.forwarding import ForwardingReplica
 from rollout_service.serve.http import (
@@ -215,7 +215,8 @@ class RolloutService(ForwardingReplica):
         if event.forward_fallback:
             headers["x-rollout-forward"] = "fallback"
             headers["x-rollout-forward-reason"] = event.forward_fallback
-        return Response(body.model_dump_json(exclude_unset=True), media_type="application/json", headers=headers)
+        dump = getattr(dialect, "DUMP_OPTIONS", {"exclude_unset": True})
+        return Response(body.model_dump_json(**dump), media_type="application/json", headers=headers)
 
     # ------------------------------------------------------------------ routes
     @fastapi_app.post("/v1/chat/completions", responses=TURN_ERRORS, dependencies=KEYED)
@@ -237,6 +238,15 @@ class RolloutService(ForwardingReplica):
         self._check_model(body.model)
         runner = await self._runner_or_503()
         return await self._answer(runner.run_completion(completions.call(body)), completions, body, body.stream)
+
+    @fastapi_app.post(tokens.ROUTE, responses=TURN_ERRORS, dependencies=KEYED,
+                      openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                          "schema": tokens.REQUEST_SCHEMA}}}})
+    async def generate_tokens(self, request: Request, headers: RolloutHeaders = Depends(rollout_headers)):
+        """vLLM's token-in-token-out route (docs/data-plane.md "Token in, token out")."""
+        turn, body = tokens.turn_request(await tokens.json_body(request), headers)
+        self._check_model(body.model)
+        return await self._answer(self._events(turn, request), tokens, body, turn.stream)
 
     @fastapi_app.post("/tokenize", responses=errors_doc(400, 401, 404, 409, 413, 503), dependencies=KEYED)
     async def tokenize(self, body: TokenizeRequest, headers: RolloutHeaders = Depends(rollout_headers)):

@@ -64,6 +64,9 @@ class TurnRequest:
     # Answer from the store if this exact call is already stored, whatever service.retry_policy says
     # (a forwarded turn run where it arrived: its owner may have stored it). Not part of the digest.
     replay_if_stored: bool = False
+    # Token in, token out (/inference/v1/generate): the prompt as ids the client rendered itself;
+    # ``messages`` is then empty and nothing is templated or parsed.
+    prompt_token_ids: list[int] | None = None
 
     def digest(self) -> str:
         """What makes two calls the same call: everything that shapes the prompt or the sampling.
@@ -82,6 +85,8 @@ class TurnRequest:
             body["response_format"] = self.response_format
         if self.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.prompt_token_ids is not None:
+            body["prompt_token_ids"] = self.prompt_token_ids
         raw = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
         return hashlib.sha256(raw.encode()).hexdigest()
 

@@ -38,6 +38,7 @@ from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_tur
 from rollout_service.onpolicy.echo import checked_echo
 from rollout_service.onpolicy.errors import InvalidEcho, InvalidPrefix, PrefixNotContinuable
 from rollout_service.onpolicy.prefix import checked_prefix, plan_on_prefix
+from rollout_service.onpolicy.tokens import plan_on_tokens
 from rollout_service.onpolicy.types import RolloutState, WeightSpan
 from rollout_service.serve.protocol.openai import ServiceError, bad_request
 from rollout_service.serve.constraints import (
@@ -121,17 +122,19 @@ class TurnRunner(RolloutReads):
         except SamplingParamsError as exc:
             raise bad_request(exc.message, param=exc.param) from None
 
-    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, params: tuple[str, str] = ("messages", "max_tokens")) -> int:
+        """``params``: how the request names its prompt and its max_tokens (for the 400)."""
+        prompt_param, max_param = params
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ServiceError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                               f"has {prompt_len}.", param="messages", code="context_length_exceeded")
+                               f"has {prompt_len}.", param=prompt_param, code="context_length_exceeded")
         if requested is not None:
             if requested < 1:
-                raise bad_request(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+                raise bad_request(f"max_tokens must be at least 1, got {requested}", param=max_param)
             if requested > room:
                 raise ServiceError(400, f"max_tokens={requested} plus the {prompt_len}-token prompt exceeds the context "
-                                   f"length {self.max_model_len}.", param="max_tokens", code="context_length_exceeded")
+                                   f"length {self.max_model_len}.", param=max_param, code="context_length_exceeded")
             return requested
         return min(self.config.service.default_max_tokens, room)
 
@@ -205,6 +208,18 @@ class TurnRunner(RolloutReads):
                                "(normally the prefix is the previous call's prompt + generation)",
                                type="conflict_error", param="required_prefix_token_ids", code="prefix_mismatch")
         return plan
+
+    def _token_plan(self, state, req: TurnRequest):
+        """The plan of a token-in call: the ids checked against the vocabulary, then continued or forked."""
+        ids = req.prompt_token_ids
+        bad = next((t for t in ids if not (0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of range (vocabulary size {self.vocab_size})", param="token_ids")
+        try:
+            return plan_on_tokens(state if req.rollout_id is not None else None, ids,
+                                  history_policy=req.history_policy or self.config.service.history_policy)
+        except HistoryConflict as exc:
+            raise http_error(exc) from None
 
     def token_strs(self, ids, tops=None) -> dict[int, str]:
         wanted = set(ids)
@@ -311,22 +326,24 @@ class TurnRunner(RolloutReads):
         # block: the whole output is the answer, not reasoning the parser would assume it is.
         reasoning_parser = None if grammar_from_start(req, structured) else self.config.chat.reasoning_parser
         sampling = self._sampling(req.sampling, req.top_logprobs, structured)
+        tokens_in = req.prompt_token_ids is not None
         prefix = self._required_prefix(req.required_prefix_token_ids)
-        if rollout_id is None and prefix is None:
+        if rollout_id is None and prefix is None and not tokens_in:
             state, messages = self._echo_state(req)
         try:
-            plan = self._plan(state, messages, req, prefix)
+            plan = self._token_plan(state, req) if tokens_in else self._plan(state, messages, req, prefix)
         except ServiceError as exc:
             if exc.code == "non_monotonic_history":  # history_policy reject refused an edited history
                 get_metrics().turn("reject")
             raise
-        max_tokens = self._max_tokens(req.max_tokens, len(plan.prompt_ids))
+        max_tokens = self._max_tokens(req.max_tokens, len(plan.prompt_ids),
+                                      ("token_ids", "sampling_params.max_tokens") if tokens_in else ("messages", "max_tokens"))
         expected_turn = state.turn if (state is not None and rollout_id is not None) else 0
         parse_tools = bool(req.tools) and req.tool_choice.mode != "none"
         streamer = StreamParser(self.tokenizer, reasoning_parser=reasoning_parser,
                                 chat_template_kwargs=self._template_kwargs(req), prompt_ids=plan.prompt_ids,
                                 hold_tool_calls=parse_tools and not json_forced,
-                                silent=json_forced) if req.stream else None
+                                silent=json_forced) if req.stream and not tokens_in else None
 
         ids: list[int] = []
         lps: list[float] = []
@@ -351,10 +368,15 @@ class TurnRunner(RolloutReads):
                                      token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs) if req.want_token_strs else None,
                                      prompt_token_ids=None if prompt_sent else plan.prompt_ids)
                     prompt_sent = True
+            elif tokens_in and req.stream and (chunk.token_ids or chunk.finish_reason):
+                yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
+                                 prompt_token_ids=None if prompt_sent else plan.prompt_ids)
+                prompt_sent = True
         assert final_chunk is not None
         finish_reason = final_chunk.finish_reason or "stop"
 
-        message = self._parse(ids, req, plan.prompt_ids, parse_tools, json_forced, reasoning_parser)
+        message = ({"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=False)} if tokens_in
+                   else self._parse(ids, req, plan.prompt_ids, parse_tools, json_forced, reasoning_parser))
         if message.get("tool_calls") and finish_reason == "stop":
             finish_reason = "tool_calls"
         spans = [WeightSpan(v, s, e) for v, s, e in (final_chunk.weight_versions or [])]

@@ -1,0 +1,135 @@
+"""Token in, token out (``POST /inference/v1/generate``, vLLM 0.32's route) on the real app and engine:
+answers parse as vLLM's own response models and equal a raw completion on the same ids and seed;
+with a rollout id the calls are recorded turns — continued when the ids start with the stored
+prompt + generation, forked (or 409 under reject) when they do not, replayed for a retry; streamed
+answers carry the same ids; bad input is a 400 that stores nothing."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from serve_helpers import IM_END, MODEL
+
+ROUTE = "/inference/v1/generate"
+PROMPT = [151644, 872, 198, 9707, 11, 1879, 0, 151645, 198, 151644, 77091, 198]  # <|im_start|>user\nHello, world!...
+TAIL = [151644, 872, 198, 3838, 1790, 30, 151645, 198, 151644, 77091, 198]  # the next user message + generation prompt
+
+
+def _generate(http, token_ids, rid=None, headers=None, **sampling):
+    body = {"model": MODEL, "token_ids": token_ids,
+            "sampling_params": {"max_tokens": 6, "seed": 11, "logprobs": 1, "skip_special_tokens": False,
+                                "stop_token_ids": [IM_END], **sampling}}
+    h = dict(headers or {})
+    if rid is not None:
+        h["X-Session-ID"] = rid  # prime-rl's header (X-Rollout-Id works the same)
+    return http.post(ROUTE, json=body, headers=h)
+
+
+def _answer(r):
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensResponse
+
+    assert r.status_code == 200, r.text
+    out = GenerateTokensResponse.model_validate(r.json())  # vLLM's own response model
+    (choice,) = out.choices
+    ids = list(choice.token_ids)
+    lps = [c.logprob for c in choice.logprobs.content]
+    assert [c.token_id for c in choice.logprobs.content] == ids
+    return out, choice, ids, lps
+
+
+def test_a_stateless_call_answers_as_vllms_route_with_the_ids_of_a_raw_completion(http):
+    out, choice, ids, lps = _answer(_generate(http, PROMPT, max_tokens=8, ignore_eos=True, stop_token_ids=[]))
+    assert len(ids) == 8 and choice.finish_reason == "length" and out.usage.prompt_tokens == len(PROMPT)
+    assert out.request_id.startswith("generate-tokens-") and out.model == MODEL
+    # vLLM lists the sampled id first among the alternatives (logprobs: 1 = one entry)
+    assert all(len(c.top_logprobs) == 1 and c.top_logprobs[0].token_id == c.token_id for c in choice.logprobs.content)
+    assert choice.weight_versions and choice.weight_versions[0].start == 0 and choice.weight_versions[-1].end == 8
+    raw = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "seed": 11,
+                                             "ignore_eos": True})
+    assert raw.status_code == 200, raw.text
+    c = raw.json()["choices"][0]
+    assert c["token_ids"] == ids
+    assert c["generation_log_probs"] == pytest.approx(lps, abs=1e-6)
+
+
+def test_recorded_turns_continue_on_their_ids_fork_on_an_edit_and_replay_a_retry(http):
+    rid = f"tito-{uuid.uuid4().hex[:8]}"
+    _, _, g1, l1 = _answer(_generate(http, PROMPT, rid, ignore_eos=True, stop_token_ids=[]))
+    p2 = PROMPT + g1 + TAIL  # the previous prompt + generation, then what the client added
+    r2 = _generate(http, p2, rid, headers={"Idempotency-Key": "turn-2"}, seed=12, max_tokens=5)
+    _, c2, g2, l2 = _answer(r2)
+    traj = http.get(f"/v1/rollouts/{rid}").json()
+    (seg,) = traj["segments"]
+    assert traj["turns"] == 2 and seg["token_ids"] == p2 + g2
+    assert [t for t, m in zip(seg["token_ids"], seg["loss_mask"]) if m] == g1 + g2  # only generated ids
+    assert [lp for lp, m in zip(seg["logprobs"], seg["loss_mask"]) if m] == l1 + l2
+    assert all(t["monotonic"] for t in seg["turns"])
+    # A retry (same Idempotency-Key) is answered from the store: same ids, nothing stored.
+    _, _, again, again_lps = _answer(_generate(http, p2, rid, headers={"Idempotency-Key": "turn-2"}, seed=12, max_tokens=5))
+    assert again == g2 and again_lps == l2 and http.get(f"/v1/rollouts/{rid}").json()["turns"] == 2
+    # An edited history: under reject a 409 naming the position; by default a fork (a new segment).
+    edited = PROMPT[:-2] + [9707] + PROMPT[-1:] + g1 + g2 + TAIL
+    r = _generate(http, edited, rid, headers={"X-History-Policy": "reject"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "non_monotonic_history", r.text
+    assert "position" in r.json()["error"]["message"]
+    _, _, g3, _ = _answer(_generate(http, edited, rid))
+    traj = http.get(f"/v1/rollouts/{rid}").json()
+    assert traj["turns"] == 3 and len(traj["segments"]) == 2
+    assert traj["segments"][1]["token_ids"] == edited + g3 and not traj["segments"][1]["turns"][0]["monotonic"]
+
+
+def test_a_streamed_turn_streams_vllms_chunks_with_the_stored_ids(http):
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensStreamResponse
+
+    rid = f"tito-s-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL, "token_ids": PROMPT, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "sampling_params": {"max_tokens": 10, "seed": 5, "logprobs": 0, "ignore_eos": True}}
+    with http.stream("POST", ROUTE, json=body, headers={"X-Rollout-Id": rid}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [GenerateTokensStreamResponse.model_validate(json.loads(line[6:])) for line in lines[:-1]]
+    assert chunks[0].prompt_token_ids == PROMPT and all(c.prompt_token_ids is None for c in chunks[1:])
+    *tokens, usage = chunks
+    assert usage.choices == [] and usage.usage.completion_tokens == 10
+    ids = [t for c in tokens for t in c.choices[0].token_ids]
+    lps = [e.logprob for c in tokens for e in c.choices[0].logprobs.content]
+    assert [c.choices[0].finish_reason for c in tokens] == [None] * (len(tokens) - 1) + ["length"]
+    seg = http.get(f"/v1/rollouts/{rid}").json()["segments"][0]
+    assert seg["token_ids"] == PROMPT + ids and seg["logprobs"][len(PROMPT):] == lps
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"token_ids": [], "sampling_params": {}}, 400, "token_ids"),
+    ({"token_ids": [1, -2], "sampling_params": {}}, 400, "token_ids"),
+    ({"token_ids": [1, 10**7], "sampling_params": {}}, 400, "token_ids"),
+    ({"token_ids": [1] * 1100, "sampling_params": {}}, 400, "token_ids"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": 5000}}, 400, "sampling_params.max_tokens"),
+    ({"token_ids": [1], "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature"),
+    ({"token_ids": [1], "sampling_params": {"top_p": "x"}}, 400, "sampling_params"),
+    ({"token_ids": [1], "sampling_params": {"bogus": 1}}, 400, "sampling_params.bogus"),
+    ({"token_ids": [1], "sampling_params": {"n": 2}}, 400, "sampling_params.n"),
+    ({"token_ids": [1], "sampling_params": {"logprobs": -1}}, 400, "sampling_params.logprobs"),
+    ({"token_ids": [1], "sampling_params": {"min_tokens": 2}}, 400, "sampling_params.min_tokens"),
+    ({"token_ids": [1], "sampling_params": {}, "output_mode": "text"}, 400, "output_mode"),
+    ({"token_ids": [1], "sampling_params": {}, "features": {"mm_hashes": {}, "mm_placeholders": {}}}, 400, "features"),
+    ({"token_ids": [1]}, 400, "sampling_params"),
+    ({"token_ids": [1], "sampling_params": {}, "model": "other"}, 404, "model"),
+])
+def test_bad_input_is_a_clear_error_and_leaves_the_rollout_as_it_was(http, body, status, param):
+    rid = f"tito-bad-{uuid.uuid4().hex[:8]}"
+    _answer(_generate(http, PROMPT, rid))
+    r = http.post(ROUTE, json={"model": MODEL, **body}, headers={"X-Rollout-Id": rid})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert http.get(f"/v1/rollouts/{rid}").json()["turns"] == 1
+
+
+def test_a_body_that_is_not_json_is_a_400(http):
+    r = http.post(ROUTE, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
