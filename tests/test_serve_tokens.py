@@ -130,6 +130,12 @@ def test_bad_input_is_a_clear_error_and_leaves_the_rollout_as_it_was(http, body,
     assert http.get(f"/v1/rollouts/{rid}").json()["turns"] == 1
 
 
+def test_without_max_tokens_the_generation_may_fill_the_context_as_vllm_allows(http):
+    body = {"model": MODEL, "token_ids": [1] * 1020, "sampling_params": {"seed": 1, "ignore_eos": True}}
+    out, choice, _, _ = _answer(http.post(ROUTE, json={**body, "sampling_params": {**body["sampling_params"], "logprobs": 0}}))
+    assert len(choice.token_ids) == 4 and choice.finish_reason == "length"  # max_model_len 1024
+
+
 def test_a_body_that_is_not_json_is_a_400(http):
     r = http.post(ROUTE, content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

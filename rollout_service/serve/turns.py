@@ -336,8 +336,12 @@ class TurnRunner(RolloutReads):
             if exc.code == "non_monotonic_history":  # history_policy reject refused an edited history
                 get_metrics().turn("reject")
             raise
-        max_tokens = self._max_tokens(req.max_tokens, len(plan.prompt_ids),
-                                      ("token_ids", "sampling_params.max_tokens") if tokens_in else ("messages", "max_tokens"))
+        if tokens_in:  # vLLM's route: no max_tokens means the whole room left in the context
+            room = self.max_model_len - len(plan.prompt_ids)
+            max_tokens = self._max_tokens(req.max_tokens if req.max_tokens is not None or room < 1 else room,
+                                          len(plan.prompt_ids), ("token_ids", "sampling_params.max_tokens"))
+        else:
+            max_tokens = self._max_tokens(req.max_tokens, len(plan.prompt_ids))
         expected_turn = state.turn if (state is not None and rollout_id is not None) else 0
         parse_tools = bool(req.tools) and req.tool_choice.mode != "none"
         streamer = StreamParser(self.tokenizer, reasoning_parser=reasoning_parser,
