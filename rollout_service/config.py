@@ -305,6 +305,13 @@ class ServiceConfig(_Strict):
         description="keep: reasoning a client dropped from past assistant turns is not an edit (stored tokens keep "
         "it, as the trainer sees it); strict: any difference is an edit.",
     )
+    whitespace_policy: Literal["edges", "strict"] = Field(
+        "edges",
+        description="edges: a past assistant message whose content differs from the stored answer only by whitespace "
+        "at its start or end (null and whitespace-only included) is not an edit (the stored tokens are what the model "
+        "saw; clients such as inspect-ai re-serialize a reasoning-only answer as \"\\n\"); whitespace inside the "
+        "content still is. strict: any difference is an edit.",
+    )
     retry_policy: Literal["replay", "fork"] = Field(
         "replay",
         description="A call identical to the last stored call of its rollout (same messages, tools, tool_choice, "

@@ -43,3 +43,49 @@ def test_strict_reasoning_policy_counts_dropped_reasoning_as_an_edit():
     assert (err.value.index, err.value.field) == (1, "reasoning_content")
     plan = build_prompt(r.state, msgs, template=r.tmpl, history_policy="reject", reasoning_policy="keep")
     assert plan.monotonic
+
+
+def test_an_answer_sent_back_with_whitespace_at_its_edges_is_not_an_edit():
+    """inspect-ai re-serializes a reasoning-only answer (content empty) with content "\\n"; other
+    clients trim or pad. Under the default whitespace_policy (edges) the turn stays monotonic;
+    strict keeps the exact rule."""
+    from rollout_service.onpolicy import HistoryConflict, build_prompt
+
+    r = Rollout(template("ours"), parsers=("qwen3", None))
+    r.messages = [{"role": "user", "content": "Think only."}]
+    first = r.call(encode("<think>\nhm\n</think>\n\n") + [IM_END])
+    assert (first.assistant["content"] or "").strip() == ""
+    reasoning = first.assistant["reasoning_content"]
+    for content in ("\n", None, " \n\t"):
+        msgs = [r.messages[0], {"role": "assistant", "content": content, "reasoning_content": reasoning},
+                {"role": "user", "content": "Go on."}]
+        plan = build_prompt(r.state, msgs, template=r.tmpl, history_policy="reject")
+        assert plan.monotonic and not plan.new_segment
+        assert plan.prompt_ids[: len(r.state.segments[0].token_ids)] == r.state.segments[0].token_ids
+    msgs = [r.messages[0], {"role": "assistant", "content": "\n", "reasoning_content": reasoning},
+            {"role": "user", "content": "Go on."}]
+    with pytest.raises(HistoryConflict) as err:
+        build_prompt(r.state, msgs, template=r.tmpl, history_policy="reject", whitespace_policy="strict")
+    assert (err.value.index, err.value.field) == (1, "content")
+
+
+def test_whitespace_inside_an_answer_or_in_a_user_message_is_still_an_edit():
+    from rollout_service.onpolicy import HistoryConflict, build_prompt
+
+    r = Rollout(template("ours"))
+    r.messages = [{"role": "user", "content": "Count."}]
+    first = r.call(encode("One and two.") + [IM_END])
+    content = first.assistant["content"]
+    assert content.strip() == "One and two."
+    padded = [r.messages[0], {"role": "assistant", "content": f"\n{content} "}, {"role": "user", "content": "More."}]
+    assert build_prompt(r.state, padded, template=r.tmpl, history_policy="reject").monotonic
+    inner = [r.messages[0], {"role": "assistant", "content": content.replace("and", " and")},
+             {"role": "user", "content": "More."}]
+    with pytest.raises(HistoryConflict) as err:
+        build_prompt(r.state, inner, template=r.tmpl, history_policy="reject")
+    assert (err.value.index, err.value.field) == (1, "content")
+    user = [{"role": "user", "content": "Count. "}, {"role": "assistant", "content": content},
+            {"role": "user", "content": "More."}]
+    with pytest.raises(HistoryConflict) as err:
+        build_prompt(r.state, user, template=r.tmpl, history_policy="reject")
+    assert (err.value.index, err.value.field) == (0, "content")

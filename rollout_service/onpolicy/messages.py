@@ -120,8 +120,19 @@ def strip_echo(msg: dict[str, Any]) -> dict[str, Any]:
 _FIELDS = ("role", "content", "tool_calls", "tool_call_id")
 
 
+def _edge_trimmed(content: Any) -> Any:
+    """Text content without whitespace at its ends (``None`` as empty); other content as it is."""
+    if content is None:
+        return ""
+    return content.strip() if isinstance(content, str) else content
+
+
+WHITESPACE_POLICIES = ("edges", "strict")
+
+
 def first_difference(
-    stored: list[dict[str, Any]], request: list[dict[str, Any]], *, reasoning_policy: str = "keep"
+    stored: list[dict[str, Any]], request: list[dict[str, Any]], *, reasoning_policy: str = "keep",
+    whitespace_policy: str = "edges",
 ) -> tuple[int, str] | None:
     """First (index, field) where ``request`` does not extend ``stored``; ``None`` if it does.
 
@@ -129,15 +140,27 @@ def first_difference(
     past reasoning (as most harnesses and Qwen3's own template do) has not edited anything the
     model saw — the stored tokens keep it, exactly as the trainer sees it. ``strict`` compares
     reasoning like any other field (absent counts as empty).
+
+    Under ``whitespace_policy="edges"`` a stored assistant message's content and the request's are
+    the same when they differ only by whitespace at their start or end (``null`` and whitespace-only
+    included): the stored ids are what the model saw, and a client that re-serializes an answer
+    (inspect-ai prefixes a newline to the content of a reasoning-only answer) has edited nothing
+    the next prompt is built from. Whitespace inside the content, and every other message, compare
+    exactly. ``strict``: exact everywhere.
     """
     if reasoning_policy not in ("keep", "strict"):
         raise ValueError(f"reasoning_policy must be 'keep' or 'strict', not {reasoning_policy!r}")
+    if whitespace_policy not in WHITESPACE_POLICIES:
+        raise ValueError(f"whitespace_policy must be one of {WHITESPACE_POLICIES}, not {whitespace_policy!r}")
     for i, old in enumerate(stored):
         if i >= len(request):
             return i, "missing"
         new = request[i]
         for key in _FIELDS:
             if old.get(key) != new.get(key):
+                if (key == "content" and whitespace_policy == "edges" and old.get("role") == "assistant"
+                        and _edge_trimmed(old.get(key)) == _edge_trimmed(new.get(key))):
+                    continue
                 return i, key
         if old.get("role") == "assistant":
             sent = new.get("reasoning_content")

@@ -84,6 +84,7 @@ def build_prompt(
     template: ChatTemplate,
     history_policy: str = "fork",
     reasoning_policy: str = "keep",
+    whitespace_policy: str = "edges",
 ) -> PromptPlan:
     """Prompt ids for the next call of a rollout.
 
@@ -106,7 +107,8 @@ def build_prompt(
 
     conflict: HistoryConflict | None = None
     if seg is not None and seg.turns:
-        conflict = _find_conflict(state, seg.messages, seg.render_context, canon, ctx, reasoning_policy)
+        conflict = _find_conflict(state, seg.messages, seg.render_context, canon, ctx, reasoning_policy,
+                                  whitespace_policy)
         if conflict is None:
             text = template.tail_text(
                 rendered,
@@ -150,11 +152,12 @@ def build_prompt(
     )
 
 
-def _find_conflict(state, stored, stored_ctx, canon, ctx, reasoning_policy) -> HistoryConflict | None:
+def _find_conflict(state, stored, stored_ctx, canon, ctx, reasoning_policy,
+                   whitespace_policy="edges") -> HistoryConflict | None:
     pending = getattr(state, "pending_conflict", None)
     if pending:
         return HistoryConflict.from_dict(pending)
-    diff = first_difference(stored, canon, reasoning_policy=reasoning_policy)
+    diff = first_difference(stored, canon, reasoning_policy=reasoning_policy, whitespace_policy=whitespace_policy)
     if diff is not None:
         index, fld = diff
         if fld == "missing":

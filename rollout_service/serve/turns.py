@@ -197,7 +197,8 @@ class TurnRunner(RolloutReads):
             plan = build_prompt(state, messages, tools=req.tools, chat_template_kwargs=self._template_kwargs(req),
                                 template=self.template,
                                 history_policy=req.history_policy or self.config.service.history_policy,
-                                reasoning_policy=self.config.service.reasoning_policy)
+                                reasoning_policy=self.config.service.reasoning_policy,
+                                whitespace_policy=self.config.service.whitespace_policy)
         except _CLIENT_ERRORS as exc:
             raise http_error(exc) from None
         if prefix is not None and plan.prompt_ids[: len(prefix)] != prefix:
