@@ -47,4 +47,16 @@ if [ ! -f "$gym/.installed" ]; then
   touch "$gym/.installed"
 fi
 
+# prime-rl's token-in client: renderers 0.1.12 (what verifiers 0.4's train client calls), for
+# tests/test_serve_tokens.py. Its own directory, without its dependency set: the venv has openai,
+# jinja2, numpy, tiktoken and transformers; renderers adds openai-harmony and prime-pydantic-config.
+rend=.venv/renderers-0.1.12
+if [ ! -f "$rend/.installed" ]; then
+  echo "[setup] installing renderers 0.1.12 (prime-rl's token-in client, for tests) into $rend"
+  rm -rf "$rend"
+  .venv/bin/pip install -q --no-deps --target "$rend" "renderers==0.1.12" "openai-harmony==0.0.8" \
+    "prime-pydantic-config==0.4.3" >/dev/null
+  touch "$rend/.installed"
+fi
+
 echo "[setup] tiny model: $(.venv/bin/rollout-service build-tiny-model --quiet)"

@@ -41,9 +41,13 @@ def _answer(r):
 
 
 def test_a_stateless_call_answers_as_vllms_route_with_the_ids_of_a_raw_completion(http):
-    out, choice, ids, lps = _answer(_generate(http, PROMPT, max_tokens=8, ignore_eos=True, stop_token_ids=[]))
+    r = _generate(http, PROMPT, max_tokens=8, ignore_eos=True, stop_token_ids=[])
+    out, choice, ids, lps = _answer(r)
+    out_raw = r.json()
     assert len(ids) == 8 and choice.finish_reason == "length" and out.usage.prompt_tokens == len(PROMPT)
     assert out.request_id.startswith("generate-tokens-") and out.model == MODEL
+    # the string form earlier releases answered (prime-rl's renderers checks it) rides along
+    assert [e["token"] for e in out_raw["choices"][0]["logprobs"]["content"]] == [f"token_id:{t}" for t in ids]
     # vLLM lists the sampled id first among the alternatives (logprobs: 1 = one entry)
     assert all(len(c.top_logprobs) == 1 and c.top_logprobs[0].token_id == c.token_id for c in choice.logprobs.content)
     assert choice.weight_versions and choice.weight_versions[0].start == 0 and choice.weight_versions[-1].end == 8
@@ -139,3 +143,36 @@ def test_without_max_tokens_the_generation_may_fill_the_context_as_vllm_allows(h
 def test_a_body_that_is_not_json_is_a_400(http):
     r = http.post(ROUTE, content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_prime_rls_token_in_client_records_each_rollout_as_one_exact_segment(service, tiny_model_dir):
+    """renderers 0.1.12's generate (what verifiers 0.4's train client calls) with bridged turns,
+    X-Session-ID per rollout, 4 rollouts x 3 calls with a tool result between them: every rollout is
+    one segment, every call continued it, and the ids and logprobs the client got are the stored ones."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rend = Path(__file__).resolve().parents[1] / ".venv" / "renderers-0.1.12"  # scripts/setup.sh installs it
+    if not (rend / ".installed").exists():
+        pytest.fail(f"renderers 0.1.12 is not installed in {rend}: run scripts/setup.sh")
+    driver = Path(__file__).with_name("renderers_tito_driver.py")
+    proc = subprocess.run([sys.executable, str(driver), service.url, str(tiny_model_dir), MODEL, "4", "3"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(rend)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import httpx
+
+    for r in json.loads(proc.stdout.strip().splitlines()[-1]):
+        calls = r["calls"]
+        assert len(calls) == 3 and [c["bridged"] for c in calls] == [False, True, True], calls
+        traj = httpx.get(f"{service.url}/v1/rollouts/{r['session_id']}", timeout=60).json()
+        assert traj["turns"] == 3 and len(traj["segments"]) == 1, traj["segments"]
+        seg = traj["segments"][0]
+        for call, turn in zip(calls, seg["turns"]):
+            assert turn["monotonic"]
+            ids = call["prompt_ids"] + call["completion_ids"]
+            assert seg["token_ids"][: len(ids)] == ids
+            assert seg["logprobs"][turn["gen_start"]:turn["gen_end"]] == call["completion_logprobs"]
+        generated = [t for c in calls for t in c["completion_ids"]]
+        assert [t for t, m in zip(seg["token_ids"], seg["loss_mask"]) if m] == generated

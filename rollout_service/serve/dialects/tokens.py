@@ -63,8 +63,8 @@ REQUEST_SCHEMA = {
         "return_token_ids": {"type": ["boolean", "null"]},
     },
 }
-# Answers are vLLM's models dumped whole, as vLLM's server dumps them.
-DUMP_OPTIONS: dict[str, Any] = {}
+# Answers are vLLM's models dumped whole, as vLLM's server dumps them (subclassed entries included).
+DUMP_OPTIONS: dict[str, Any] = {"serialize_as_any": True}
 
 
 async def json_body(request) -> Any:
@@ -133,17 +133,37 @@ def _validated(raw: dict):
                           param=f"sampling_params.{param}" if param else "sampling_params") from None
 
 
+_MODELS: dict[str, Any] = {}
+
+
+def _entry_models():
+    """vLLM's logprob entries plus ``token: "token_id:<id>"``, the string form earlier releases of the
+    route answered (OpenAI's shape with ids as tokens) and prime-rl's client (renderers 0.1.12) still
+    checks. Answers are dumped with ``serialize_as_any`` so the field goes out."""
+    if not _MODELS:
+        p = _vllm()
+
+        class LogProb(p.GenerateLogProb):
+            token: str
+
+        class LogProbsContent(p.GenerateLogProbsContent):
+            token: str
+
+        _MODELS.update(entry=LogProb, content=LogProbsContent)
+    return _MODELS["entry"], _MODELS["content"]
+
+
 def _content(ids: list[int], lps: list[float], tops: list[dict[int, float]] | None, k: int):
     """vLLM's per-token logprob entries: the sampled id first in the alternatives, as vLLM lists them."""
-    p = _vllm()
+    entry, content = _entry_models()
     out = []
     for i, (tid, lp) in enumerate(zip(ids, lps)):
         alts = list((tops[i] or {}).items()) if tops else []
         ranks = {t: r for r, (t, _) in enumerate(alts, start=1)}
         entries = [(tid, lp, ranks.get(tid))] + [(t, v, ranks[t]) for t, v in alts if t != tid]
-        out.append(p.GenerateLogProbsContent(
-            token_id=tid, logprob=max(lp, -9999.0), rank=ranks.get(tid),
-            top_logprobs=[p.GenerateLogProb(token_id=t, logprob=max(v, -9999.0), rank=r)
+        out.append(content(
+            token_id=tid, token=f"token_id:{tid}", logprob=max(lp, -9999.0), rank=ranks.get(tid),
+            top_logprobs=[entry(token_id=t, token=f"token_id:{t}", logprob=max(v, -9999.0), rank=r)
                           for t, v, r in entries[: max(k, 1)]]))
     return out
 
@@ -189,7 +209,7 @@ async def stream(first, events: AsyncIterator, req, model: str) -> AsyncIterator
 
     def frame(chunk) -> bytes:
         exclude = {name for name in ("prompt_token_ids", "mm_placeholders", "metrics") if getattr(chunk, name) is None}
-        return b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
+        return b"data: " + chunk.model_dump_json(exclude=exclude, **DUMP_OPTIONS).encode() + b"\n\n"
 
     pending: TokenDelta | None = None  # held back one event: the last ids go out with the finish reason
     prompt_sent = False
