@@ -267,6 +267,11 @@ class StoreConfig(_Strict):
         "store_unavailable (the turn's retry replays it from the primary).")
     ttl_seconds: int = Field(7 * 24 * 3600, ge=1, description="Expiry of a rollout's keys, refreshed on every turn.")
     key_prefix: str = Field("ro", description="Prefix of every key; keys are hash-tagged by rollout id.")
+    recent_rollouts: int = Field(
+        10_000, ge=0,
+        description="Rollouts the recent index keeps, newest first (GET /rollouts, GET /v1/rollouts): one sorted set "
+        "trimmed on every append, so a page costs O(page), never a scan of the store. 0: no index.",
+    )
     timeout_s: float = Field(
         5.0, gt=0, description="Longest a store command waits for Redis's answer (a stalled or unreachable Redis): the "
         "turn then answers 503 store_unavailable, nothing stored, its rollout free for the retry. A call waits at most "

@@ -217,3 +217,39 @@ def test_a_constrained_turn_is_marked_and_a_free_one_is_not():
     html = render_trajectory_html(RolloutState("r-c", 2, [seg]), FakeTokenizer())
     assert re.findall(r'data-turn="(\d+)" data-constrained="(\w+)"', html) == [("1", "true"), ("2", "false")]
     assert html.count(">constrained</span>") == 1
+
+
+def test_the_rollout_index_lists_the_newest_rollouts_and_its_links_resolve_in_a_browser(http, service, tmp_path):
+    """GET /v1/rollouts (ids for tools, a page at a time) and GET /rollouts (the page for people): the
+    rollouts just run come first with their turns, segments and markers; every link on the page,
+    as headless chromium renders it, answers."""
+    plain, forked = f"index-{uuid.uuid4().hex[:8]}", f"index-{uuid.uuid4().hex[:8]}"
+    history = [{"role": "user", "content": "hi"}]
+    _chat(http, plain, history, 4)
+    first = _chat(http, forked, history, 4)
+    _chat(http, forked, history + [{"role": "assistant", "content": first["content"] or ""},
+                                   {"role": "user", "content": "more"}], 4)
+    _chat(http, forked, [{"role": "user", "content": "edited"}], 4)
+    listing = http.get("/v1/rollouts", params={"limit": 2})
+    assert listing.status_code == 200, listing.text
+    page = listing.json()
+    assert [r["id"] for r in page["data"]] == [forked, plain] and page["has_more"] in (True, False)
+    top = page["data"][0]
+    assert (top["turns"], top["segments"], top["forked"], top["migrations"]) == (3, 2, True, 0)
+    assert top["weight_version"] and page["data"][1]["forked"] is False
+    if page["next_cursor"]:
+        older = http.get("/v1/rollouts", params={"limit": 2, "cursor": page["next_cursor"]}).json()
+        assert not {r["id"] for r in older["data"]} & {forked, plain}
+    for bad in ({"limit": 0}, {"limit": 5000}, {"cursor": "nonsense"}, {"limit": "x"}):
+        r = http.get("/v1/rollouts", params=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("limit", "cursor", "query.limit"), (bad, r.text)
+
+    r = http.get("/rollouts", params={"limit": 5})
+    assert r.status_code == 200 and "default-src 'none'" in r.headers["content-security-policy"]
+    dom = _browser(tmp_path, "--dump-dom", f"{service.url}/rollouts?limit=5").stdout
+    assert "Recent rollouts" in dom and "forked (1)" in dom
+    links = re.findall(r'href="([^"]+)"', dom)
+    assert f"/rollouts/{forked}/view" in links and f"/v1/rollouts/{plain}" in links
+    for link in links:
+        target = http.get(link.replace("&amp;", "&"))
+        assert target.status_code == 200, (link, target.text[:200])

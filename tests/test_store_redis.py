@@ -95,7 +95,8 @@ async def test_stored_keys_are_exactly_the_documented_layout(store):
     meta = await store.client.hgetall(store.meta_key("r"))
     born = meta.pop(b"born")
     assert len(meta.pop(b"aid")) == 16
-    assert meta == {b"turn": b"3", b"nseg": b"2", b"v": b"1"}
+    assert abs(int(meta.pop(b"at")) / 1000 - time.time()) < 60  # the summary of the recent index
+    assert meta == {b"turn": b"3", b"nseg": b"2", b"v": b"1", b"ver": b"v0", b"c": b"0", b"mig": b"0"}
     assert len(born) == 16 and born.decode() == (await store.load("r")).incarnation
 
 
@@ -328,3 +329,54 @@ async def test_an_append_whose_answer_is_lost_is_retried_and_applied_once(tmp_pa
         await s.close()
         proxy.close()
         server.stop()
+
+
+async def test_the_recent_index_pages_newest_first_without_repeats_and_stays_bounded(redis_server):
+    """store/recent.py: every append moves its rollout to the front; pages follow next_cursor without
+    repeating or skipping, also across equal timestamps; a deleted rollout leaves the index; the
+    index never holds more than store.recent_rollouts; summaries come from the append script."""
+    s = RedisRolloutStore.from_url(redis_server, ttl_seconds=1000, key_prefix=f"t{uuid.uuid4().hex[:8]}",
+                                   recent_size=12)
+    try:
+        rids = [f"r{i:02d}" for i in range(15)]
+        for i, rid in enumerate(rids):
+            rng = random.Random(i)
+            d1 = synthetic_delta(rng, turn=1, segment_index=0, new_segment=True, segment_len=0, weight_version=f"v{i}")
+            d2 = synthetic_delta(rng, turn=2, segment_index=0, new_segment=False, segment_len=len(d1.token_ids),
+                                 weight_version=f"v{i}")
+            for d in (d1, d2):
+                d.record.constrained = i == 3
+                d.record.migrations = 1 if i == 4 else 0
+            await commit_all(s, rid, [d1, d2])
+        await asyncio.sleep(0.01)  # scores are milliseconds: r05's new turn is later than r14's
+        await commit_all(s, "r05", [synthetic_delta(random.Random(99), turn=3, segment_index=1, new_segment=True,
+                                                    segment_len=0, prompt_tokens=5, gen_tokens=3)])
+        assert await s.client.zcard(s.recent.key) == 12  # trimmed to its size: r00..r02 fell out
+        seen, cursor = [], None
+        while True:
+            rows, cursor, indexed = await s.list_recent(5, cursor)
+            seen += rows
+            if cursor is None:
+                break
+        assert indexed == 12
+        assert [r["id"] for r in seen] == ["r05"] + [f"r{i:02d}" for i in range(14, 2, -1) if i != 5]
+        by_id = {r["id"]: r for r in seen}
+        assert (by_id["r05"]["turns"], by_id["r05"]["segments"], by_id["r05"]["forked"]) == (3, 2, True)
+        assert by_id["r07"]["weight_version"] == "v7" and by_id["r07"]["turns"] == 2
+        assert by_id["r03"]["constrained_calls"] == 2 and by_id["r04"]["migrations"] == 2
+        # Equal timestamps: one score for every member; pages of 4 still give each id once.
+        await s.client.zadd(s.recent.key, {rid: 1000 for rid in rids[3:]})
+        seen, cursor = [], None
+        while True:
+            rows, cursor, _ = await s.list_recent(4, cursor)
+            seen += [r["id"] for r in rows]
+            if cursor is None:
+                break
+        assert seen == sorted(rids[3:], reverse=True)
+        await s.delete("r09")
+        rows, _, indexed = await s.list_recent(100)
+        assert "r09" not in [r["id"] for r in rows] and indexed == 11
+        with pytest.raises(ValueError):
+            await s.list_recent(5, "not-a-cursor")
+    finally:
+        await s.close()

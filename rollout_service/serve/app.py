@@ -261,6 +261,17 @@ class RolloutService(ForwardingReplica):
                   "required_prefix_token_ids": body.required_prefix_token_ids}
         return JSONResponse(await self._read("tokenize", kwargs))
 
+    @fastapi_app.get("/v1/rollouts", responses=errors_doc(400, 401, 503), dependencies=KEYED)
+    async def list_rollouts(self, limit: int = 100, cursor: str | None = None):
+        """The most recently appended-to rollouts, newest first, a page at a time (``next_cursor``)."""
+        return JSONResponse(await self._read("list_rollouts", {"limit": limit, "cursor": cursor}))
+
+    @fastapi_app.get("/rollouts", response_class=HTMLResponse, responses=errors_doc(400, 401, 503), dependencies=KEYED)
+    async def rollouts_index(self, limit: int = 50, cursor: str | None = None):
+        """The recent rollouts as a page for people, each linking to its viewer page."""
+        return HTMLResponse(await self._read("rollouts_page", {"limit": limit, "cursor": cursor}),
+                            headers=VIEWER_HEADERS)
+
     @fastapi_app.get("/v1/rollouts/{rollout_id}", responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def get_rollout(self, rollout_id: RolloutIdPath):
         return JSONResponse(await self._read("get_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))

@@ -16,7 +16,9 @@ from rollout_service.serve.dialects.common import optional_rollout_id
 from rollout_service.serve.errors import http_error
 from rollout_service.serve.protocol.openai import ServiceError, bad_request
 from rollout_service.serve.turn_types import TurnRequest
+from rollout_service.serve.index_page import render_index_html
 from rollout_service.serve.viewer import render_trajectory_html
+from rollout_service.store.recent import MAX_PAGE, InvalidCursor
 from rollout_service.store.base import StoreError, validate_rollout_id
 
 _STORE_OPS = {"load": "read", "delete": "delete"}  # RolloutStore method -> metrics op of a rollout read / delete
@@ -72,6 +74,28 @@ class RolloutReads:
             return await count()
         except StoreError as exc:
             raise http_error(exc) from None
+
+    async def list_rollouts(self, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
+        """A page of the recent-rollouts index, newest first (``GET /v1/rollouts``)."""
+        store = getattr(self.store, "inner", self.store)  # past the replica's state cache
+        if getattr(store, "list_recent", None) is None:
+            raise ServiceError(501, "this store keeps no index of recent rollouts", type="not_implemented",
+                               code="no_rollout_index")
+        if not 1 <= limit <= MAX_PAGE:
+            raise bad_request(f"limit must be 1 to {MAX_PAGE}, got {limit}", param="limit")
+        try:
+            rows, next_cursor, indexed = await self._store_op("list", store.list_recent(limit, cursor))
+        except InvalidCursor as exc:
+            raise http_error(exc) from None
+        except StoreError as exc:
+            raise http_error(exc) from None
+        return {"object": "list", "data": rows, "next_cursor": next_cursor, "has_more": next_cursor is not None,
+                "indexed": indexed}
+
+    async def rollouts_page(self, limit: int = 50, cursor: str | None = None) -> str:
+        """The recent rollouts as one HTML page (``GET /rollouts``), each linking to its view."""
+        page = await self.list_rollouts(limit, cursor)
+        return render_index_html(page["data"], page["next_cursor"], limit, indexed=page["indexed"])
 
     async def delete_rollout(self, rollout_id: str) -> dict[str, Any]:
         await self._stored(rollout_id, self.store.delete)

@@ -5,7 +5,10 @@ lives in one cluster slot and each Lua script touches a single slot)::
 
     P:{R}:meta          hash   turn (completed calls), nseg (segments), v (layout version),
                                born (incarnation: random, set when the rollout is created),
-                               aid (id of the last append: a resent append that landed is a success)
+                               aid (id of the last append: a resent append that landed is a success),
+                               ver (weight version of the last generated token), c (constrained
+                               calls), mig (mid-turn migrations), at (last append, Unix ms): the
+                               summary the recent index shows (store/recent.py)
     P:{R}:s<i>:ids      string token ids of segment i, packed little-endian int32, APPENDed per turn
     P:{R}:s<i>:lp       string logprobs, little-endian float32, APPENDed per turn
     P:{R}:s<i>:mask     string loss mask, uint8, APPENDed per turn
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import time
 from typing import Any, AsyncIterator
 
 import redis.asyncio as aioredis
@@ -47,6 +51,7 @@ from rollout_service.store.base import (
     validate_rollout_id,
 )
 from rollout_service.store.codec import EncodedSegment, decode_state, encode_delta
+from rollout_service.store.recent import RecentIndex, summary_args
 from rollout_service.store.urls import client_deadlines, parse_redis_url, parse_sentinel_url
 
 log = logging.getLogger(__name__)
@@ -71,7 +76,8 @@ end
 """
 
 # ARGV: expected_turn, new_turn, segment_index, new_segment (0/1), ttl_ms, ids, lp, mask, record, ctx,
-#       incarnation (stored only when this append creates the rollout), append id, msgs...
+#       incarnation (stored only when this append creates the rollout), append id, last weight version
+#       ('' = keep), constrained (0/1), migrations, now (Unix ms), msgs...
 # Returns {1, nseg} on success, {0, stored_turn} on a turn conflict, {-1, nseg} on a bad segment index.
 # Every check happens before the first write, so a refused append leaves no trace. The append id
 # makes a retried append (the client resends a command whose answer it lost: store.retries) that
@@ -99,14 +105,17 @@ redis.call('APPEND', p .. 'mask', ARGV[8])
 redis.call('RPUSH', p .. 'turns', ARGV[9])
 redis.call('SET', p .. 'ctx', ARGV[10])
 if stored == 0 then redis.call('HSET', meta, 'born', ARGV[11]) end
-local i = 13
+local i = 17
 while i <= #ARGV do
   local j = math.min(i + %d - 1, #ARGV)
   redis.call('RPUSH', p .. 'msgs', unpack(ARGV, i, j))
   i = j + 1
 end
 if new_segment then nseg = nseg + 1 end
-redis.call('HSET', meta, 'turn', ARGV[2], 'nseg', nseg, 'v', %d, 'aid', ARGV[12])
+redis.call('HSET', meta, 'turn', ARGV[2], 'nseg', nseg, 'v', %d, 'aid', ARGV[12], 'at', ARGV[16])
+if ARGV[13] ~= '' then redis.call('HSET', meta, 'ver', ARGV[13]) end
+redis.call('HINCRBY', meta, 'c', ARGV[14])
+redis.call('HINCRBY', meta, 'mig', ARGV[15])
 expire_all(nseg, tonumber(ARGV[5]))
 return {1, nseg}
 """ % (_MSGS_PER_RPUSH, LAYOUT_VERSION)
@@ -193,6 +202,7 @@ class RedisRolloutStore:
         durability: str = "local",
         min_replicas: int = 1,
         replication_timeout_s: float = 1.0,
+        recent_size: int = 10_000,
     ):
         if not key_prefix or any(c in key_prefix for c in "{}*?[]\\ "):
             raise ValueError(f"key_prefix {key_prefix!r} must be non-empty, without braces, glob characters or spaces")
@@ -216,6 +226,7 @@ class RedisRolloutStore:
         self._load_if_changed = client.register_script(_LUA_LOAD_IF_CHANGED)
         self._delete = client.register_script(_LUA_DELETE)
         self._touch = client.register_script(_LUA_TOUCH)
+        self.recent = RecentIndex(client, key_prefix, recent_size, self.meta_key)
 
     @classmethod
     def from_url(
@@ -228,13 +239,14 @@ class RedisRolloutStore:
         durability: str = "local",
         min_replicas: int = 1,
         replication_timeout_s: float = 1.0,
+        recent_size: int = 10_000,
         **client_kwargs: Any,
     ) -> "RedisRolloutStore":
         """Build the client from a URL; ``cluster=None`` lets the URL decide (see ``parse_redis_url``).
         A Sentinel URL (:func:`parse_sentinel_url`) gives a client of the primary the sentinels name,
         found again after a failover (redis-py's Sentinel client)."""
         store_kwargs = {"durability": durability, "min_replicas": min_replicas,
-                        "replication_timeout_s": replication_timeout_s}
+                        "replication_timeout_s": replication_timeout_s, "recent_size": recent_size}
         client_kwargs["decode_responses"] = False  # packed arrays are binary
         sentinel = parse_sentinel_url(url)
         if sentinel is not None:
@@ -267,7 +279,7 @@ class RedisRolloutStore:
         return cls.from_url(
             config.redis_url, ttl_seconds=config.ttl_seconds, key_prefix=config.key_prefix,
             durability=config.durability, min_replicas=config.min_replicas,
-            replication_timeout_s=config.replication_timeout_s,
+            replication_timeout_s=config.replication_timeout_s, recent_size=config.recent_rollouts,
             **{**client_deadlines(config), **client_kwargs},
         )
 
@@ -310,6 +322,7 @@ class RedisRolloutStore:
     async def append_turn(self, rollout_id: str, delta: TurnDelta, *, expected_turn: int) -> None:
         meta = self.meta_key(rollout_id)
         enc = encode_delta(delta, expected_turn=expected_turn)
+        now_ms = int(time.time() * 1000)
         args = [
             expected_turn,
             enc.turn,
@@ -323,6 +336,7 @@ class RedisRolloutStore:
             enc.render_context,
             secrets.token_hex(8) if expected_turn == 0 else "",
             secrets.token_hex(8),  # this append's id
+            *summary_args(delta, now_ms),
             *enc.messages,
         ]
         async with self._translate():
@@ -339,6 +353,7 @@ class RedisRolloutStore:
             raise InvalidTurnDelta(
                 f"segment_index {enc.segment_index} does not name {want} (rollout has {int(value)} segments)"
             )
+        await self.recent.note(rollout_id, now_ms)
 
     async def _with_wait(self, script, key: str, args: list) -> tuple[Any, int]:
         """``script`` then ``WAIT`` on one connection (a pipeline): Redis's WAIT counts the replicas
@@ -372,7 +387,9 @@ class RedisRolloutStore:
     async def delete(self, rollout_id: str) -> bool:
         meta = self.meta_key(rollout_id)
         async with self._translate():
-            return int(await self._delete(keys=[meta])) > 0
+            removed = int(await self._delete(keys=[meta])) > 0
+        await self.recent.forget(rollout_id)
+        return removed
 
     async def exists(self, rollout_id: str) -> bool:
         meta = self.meta_key(rollout_id)
@@ -391,6 +408,14 @@ class RedisRolloutStore:
         if ms == -2:
             return None
         return float("inf") if ms == -1 else ms / 1000.0
+
+    async def list_recent(self, limit: int, cursor: str | None = None) -> tuple[list[dict[str, Any]], str | None, int]:
+        """A page of the recent-rollouts index (store/recent.py): summaries newest first, the next
+        page's cursor (None: last page), and how many rollouts the index holds."""
+        async with self._translate():
+            rows, next_cursor = await self.recent.page(limit, cursor)
+            indexed = int(await self.client.zcard(self.recent.key)) if self.recent.size > 0 else 0
+        return [r.to_dict() for r in rows], next_cursor, indexed
 
     async def count_rollouts(self) -> int:
         """Stored rollouts under this key prefix: one ``meta`` hash each, counted with SCAN (every
