@@ -140,6 +140,38 @@ def test_without_max_tokens_the_generation_may_fill_the_context_as_vllm_allows(h
     assert len(choice.token_ids) == 4 and choice.finish_reason == "length"  # max_model_len 1024
 
 
+def test_calls_with_the_same_sampling_but_other_ids_are_new_turns_and_vllms_coercions_hold(http):
+    """The ids are part of what makes a call the same call (retry detection); values vLLM's model
+    coerces ("5", 1) are taken as it takes them, and keys sent at vLLM's defaults are accepted."""
+    rid = f"tito-d-{uuid.uuid4().hex[:8]}"
+    sampling = {"max_tokens": "5", "seed": 3, "logprobs": 1, "temperature": 1, "ignore_eos": True,
+                "bad_words": [], "skip_reading_prefix_cache": False}
+    body = {"model": MODEL, "sampling_params": sampling}
+    _, _, g1, _ = _answer(http.post(ROUTE, json={**body, "token_ids": PROMPT}, headers={"X-Rollout-Id": rid}))
+    assert len(g1) == 5
+    _, _, g2, _ = _answer(http.post(ROUTE, json={**body, "token_ids": PROMPT + g1 + TAIL}, headers={"X-Rollout-Id": rid}))
+    traj = http.get(f"/v1/rollouts/{rid}").json()
+    assert traj["turns"] == 2 and traj["segments"][0]["token_ids"] == PROMPT + g1 + TAIL + g2
+    r = http.post(ROUTE, json={**body, "token_ids": PROMPT, "sampling_params": {**sampling, "bad_words": ["x"]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.bad_words"
+
+
+def test_continuous_usage_and_the_request_id_header_as_vllm_sends_them(http):
+    body = {"model": MODEL, "token_ids": PROMPT, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "sampling_params": {"max_tokens": 6, "seed": 2, "ignore_eos": True}}
+    with http.stream("POST", ROUTE, json=body, headers={"X-Request-Id": "my-req-1"}) as r:
+        assert r.status_code == 200
+        frames = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    assert all(f["request_id"] == "generate-tokens-my-req-1" for f in frames)
+    done = 0
+    for f in frames[:-1]:
+        done += len(f["choices"][0]["token_ids"])
+        usage = {k: v for k, v in f["usage"].items() if v is not None}
+        assert usage == {"prompt_tokens": len(PROMPT), "completion_tokens": done, "total_tokens": len(PROMPT) + done}
+    assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 6
+
+
 def test_a_body_that_is_not_json_is_a_400(http):
     r = http.post(ROUTE, content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

@@ -57,6 +57,7 @@ def state_from_echo(
     tools: list[dict] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     reasoning_policy: str = "keep",
+    whitespace_policy: str = "edges",
     parse: Callable[[list[int]], dict[str, Any]] | None = None,
     rollout_id: str | None = None,
     vocab_size: int | None = None,
@@ -91,7 +92,8 @@ def state_from_echo(
         if conflict is None:
             conflict = _verify(template, rendered, prev, i, prompt, seg if extends else None, ctx)
         if conflict is None and parse is not None:
-            diff = first_difference([canonical_message(parse(gen))], [canon[i], None], reasoning_policy=reasoning_policy)
+            diff = first_difference([canonical_message(parse(gen))], [canon[i], None], reasoning_policy=reasoning_policy,
+                                    whitespace_policy=whitespace_policy)
             if diff is not None:
                 conflict = HistoryConflict(i, diff[1], f"message {i} differs from its own echoed generation (field {diff[1]!r})")
         if extends:

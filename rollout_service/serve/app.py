@@ -244,7 +244,7 @@ class RolloutService(ForwardingReplica):
                           "schema": tokens.REQUEST_SCHEMA}}}})
     async def generate_tokens(self, request: Request, headers: RolloutHeaders = Depends(rollout_headers)):
         """vLLM's token-in-token-out route (docs/data-plane.md "Token in, token out")."""
-        turn, body = tokens.turn_request(await tokens.json_body(request), headers)
+        turn, body = tokens.turn_request(await tokens.json_body(request), headers, request.headers.get("x-request-id"))
         self._check_model(body.model)
         return await self._answer(self._events(turn, request), tokens, body, turn.stream)
 

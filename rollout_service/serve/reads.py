@@ -62,7 +62,8 @@ class RolloutReads:
             Segment(list(s.token_ids), list(s.loss_mask), list(s.logprobs), list(s.turns), list(s.messages),
                     dict(s.render_context)) for s in state.segments])
         return await asyncio.to_thread(render_trajectory_html, snapshot, self.tokenizer,
-                                       reasoning_policy=self.config.service.reasoning_policy)
+                                       reasoning_policy=self.config.service.reasoning_policy,
+                                       whitespace_policy=self.config.service.whitespace_policy)
 
     async def count_rollouts(self) -> int | None:
         """Rollouts in the durable store under our key prefix (None: the store cannot count)."""

@@ -169,7 +169,8 @@ class TurnRunner(RolloutReads):
         try:
             return state_from_echo(req.messages, template=self.template, tools=req.tools, vocab_size=self.vocab_size,
                                    chat_template_kwargs=self._template_kwargs(req),
-                                   reasoning_policy=self.config.service.reasoning_policy)
+                                   reasoning_policy=self.config.service.reasoning_policy,
+                                   whitespace_policy=self.config.service.whitespace_policy)
         except _CLIENT_ERRORS as exc:
             raise http_error(exc) from None
 

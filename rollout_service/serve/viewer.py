@@ -42,7 +42,7 @@ class _Segment:
 
 
 def render_trajectory_html(trajectory: RolloutState | dict[str, Any], tokenizer, *,
-                           reasoning_policy: str = "keep") -> str:
+                           reasoning_policy: str = "keep", whitespace_policy: str = "edges") -> str:
     """The page for a stored rollout (a :class:`RolloutState`) or a ``trajectory_export`` document.
 
     ``tokenizer`` needs ``decode(list[int]) -> str``. ``reasoning_policy`` is the service's, so a
@@ -73,7 +73,8 @@ def render_trajectory_html(trajectory: RolloutState | dict[str, Any], tokenizer,
     w("<span class=\"hint\">hover a token for its position, id, logprob and version "
       "(\u00b7 is a space, \u2192 a tab, \u21b5 a newline, \u2205 an empty token)</span></div></header>")
     for index, seg in enumerate(segments):
-        _segment_html(w, index, seg, segments[index - 1] if index else None, texts, versions, reasoning_policy)
+        _segment_html(w, index, seg, segments[index - 1] if index else None, texts, versions,
+                      (reasoning_policy, whitespace_policy))
     w("</body></html>\n")
     return "".join(out)
 
@@ -138,14 +139,15 @@ def _version_at(seg: _Segment, pos: int) -> str | None:
     return None
 
 
-def _fork_reason(prev: _Segment, seg: _Segment, reasoning_policy: str) -> str:
+def _fork_reason(prev: _Segment, seg: _Segment, policies: tuple[str, str]) -> str:
     """Why the core started this segment, re-derived from the stored canonical messages: the
     previous segment's are what the model had seen, this one's begin with the forking request's."""
     if prev.messages is None or seg.messages is None:
         return "reason not recorded"
     try:
-        diff = first_difference(prev.messages, seg.messages, reasoning_policy=reasoning_policy)
-    except ValueError:
+        diff = first_difference(prev.messages, seg.messages, reasoning_policy=policies[0],
+                                whitespace_policy=policies[1])
+    except ValueError:  # a policy this code does not know: the defaults
         diff = first_difference(prev.messages, seg.messages)
     if diff is not None:
         index, fld = diff
@@ -163,7 +165,7 @@ def _fork_reason(prev: _Segment, seg: _Segment, reasoning_policy: str) -> str:
 
 # ---------------------------------------------------------------------------------------- output
 def _segment_html(w, index: int, seg: _Segment, prev: _Segment | None, texts: _Decoder, versions: dict[str, str],
-                  reasoning_policy: str) -> None:
+                  policies: tuple[str, str]) -> None:
     fork = prev is not None
     w(f"<section class=\"segment{' fork' if fork else ''}\" id=\"segment-{index}\" data-segment=\"{index}\">")
     w(f"<h2>Segment {index}")
@@ -173,7 +175,7 @@ def _segment_html(w, index: int, seg: _Segment, prev: _Segment | None, texts: _D
       f"turn{'s' if len(seg.turns) != 1 else ''}</small></h2>")
     if fork:
         first = seg.turns[0]["turn"] if seg.turns else "?"
-        w(f"<p class=\"fork-reason\">Forked at turn {_e(first)}: {_e(_fork_reason(prev, seg, reasoning_policy))}. "
+        w(f"<p class=\"fork-reason\">Forked at turn {_e(first)}: {_e(_fork_reason(prev, seg, policies))}. "
           "The earlier segment is kept as it was; this one starts from the full prompt of the forking call.</p>")
     cursor = 0
     for t in sorted(seg.turns, key=lambda t: t["prompt_start"]):

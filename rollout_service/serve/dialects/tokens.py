@@ -15,10 +15,13 @@ text output and prompt logprobs are refused when set.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, AsyncIterator
 
 from rollout_service.serve.dialects.common import RolloutHeaders, error_event
+
+error_frame = error_event  # what serve/http.py sends when formatting a stream fails
 from rollout_service.serve.protocol.openai import ServiceError, bad_request
 from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
 
@@ -59,7 +62,8 @@ REQUEST_SCHEMA = {
                       "description": "The prompt, as token ids the client rendered."},
         "sampling_params": _SAMPLING_SCHEMA, "model": {"type": ["string", "null"]},
         "request_id": {"type": "string"}, "stream": {"type": ["boolean", "null"]},
-        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": ["boolean", "null"]}}},
+        "stream_options": {"type": ["object", "null"], "properties": {
+            "include_usage": {"type": ["boolean", "null"]}, "continuous_usage_stats": {"type": ["boolean", "null"]}}},
         "return_token_ids": {"type": ["boolean", "null"]},
     },
 }
@@ -83,7 +87,13 @@ def _vllm():
     return protocol
 
 
-def turn_request(raw: Any, headers: RolloutHeaders) -> tuple[TurnRequest, Any]:
+def _sampling_defaults():
+    from vllm.sampling_params import SamplingParams
+
+    return SamplingParams()
+
+
+def turn_request(raw: Any, headers: RolloutHeaders, request_id_header: str | None = None) -> tuple[TurnRequest, Any]:
     """The turn a request body asks for, and vLLM's parsed request (for the answer's shape)."""
     if not isinstance(raw, dict):
         raise bad_request("the request body must be a JSON object")
@@ -96,24 +106,30 @@ def turn_request(raw: Any, headers: RolloutHeaders) -> tuple[TurnRequest, Any]:
         if value is not None and value != unused:
             raise bad_request(f"{name} is not supported by this service (token ids in, token ids out, text only)",
                               param=name, code="unsupported_parameter")
-    for key, value in sampling.items():
+    sp, defaults = req.sampling_params, _sampling_defaults()
+    for key in sampling:  # the keys the client sent; their values as vLLM's model validated them
         if key in PASSED or key in ("logprobs", "max_tokens"):
             continue
+        value = getattr(sp, key, None)
         if key in NEUTRAL and (NEUTRAL[key] is None or value in NEUTRAL[key]):
             continue
+        if hasattr(defaults, key) and value == getattr(defaults, key):
+            continue  # sent at vLLM's default (a client dumping a whole SamplingParams): changes nothing
         raise bad_request(f"sampling_params.{key} is not supported by this service", param=f"sampling_params.{key}",
                           code="unsupported_parameter")
-    top = sampling.get("logprobs")
-    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
+    top = sp.logprobs if "logprobs" in sampling else None
+    if top is not None and top < 0:
         raise bad_request("sampling_params.logprobs must be a non-negative integer (-1, all, is not supported)",
                           param="sampling_params.logprobs")
-    max_tokens = sampling.get("max_tokens")
     turn = TurnRequest(
-        messages=[], sampling={k: sampling[k] for k in PASSED if k in sampling}, max_tokens=max_tokens,
+        messages=[], sampling={k: getattr(sp, k) for k in PASSED if k in sampling},
+        max_tokens=sp.max_tokens if "max_tokens" in sampling else None,
         top_logprobs=top or 0, stream=bool(req.stream), rollout_id=headers.rollout_id,
         history_policy=headers.history_policy, idempotency_key=headers.idempotency_key,
         prompt_token_ids=list(req.token_ids),
     )
+    if request_id_header:
+        req.request_id = request_id_header  # vLLM's route prefers the X-Request-Id header too
     return turn, req
 
 
@@ -153,6 +169,11 @@ def _entry_models():
     return _MODELS["entry"], _MODELS["content"]
 
 
+def _clamp(logprob: float) -> float:
+    """vLLM's floor for a logprob on the wire: -inf and NaN become -9999.0."""
+    return -9999.0 if math.isnan(logprob) else max(logprob, -9999.0)
+
+
 def _content(ids: list[int], lps: list[float], tops: list[dict[int, float]] | None, k: int):
     """vLLM's per-token logprob entries: the sampled id first in the alternatives, as vLLM lists them."""
     entry, content = _entry_models()
@@ -162,8 +183,8 @@ def _content(ids: list[int], lps: list[float], tops: list[dict[int, float]] | No
         ranks = {t: r for r, (t, _) in enumerate(alts, start=1)}
         entries = [(tid, lp, ranks.get(tid))] + [(t, v, ranks[t]) for t, v in alts if t != tid]
         out.append(content(
-            token_id=tid, token=f"token_id:{tid}", logprob=max(lp, -9999.0), rank=ranks.get(tid),
-            top_logprobs=[entry(token_id=t, token=f"token_id:{t}", logprob=max(v, -9999.0), rank=r)
+            token_id=tid, token=f"token_id:{tid}", logprob=_clamp(lp), rank=ranks.get(tid),
+            top_logprobs=[entry(token_id=t, token=f"token_id:{t}", logprob=_clamp(v), rank=r)
                           for t, v, r in entries[: max(k, 1)]]))
     return out
 
@@ -203,13 +224,25 @@ def response(result: TurnResult, req, model: str):
 
 async def stream(first, events: AsyncIterator, req, model: str) -> AsyncIterator[bytes]:
     """vLLM's stream: one chunk per engine step's ids, the finish reason on the last one (with the
-    weight-version spans over the whole generation), usage last if asked, then ``[DONE]``."""
+    weight-version spans over the whole generation), usage on every chunk with
+    ``stream_options.continuous_usage_stats`` and last with ``include_usage``, then ``[DONE]``."""
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
     p = _vllm()
     rid = request_id(req)
+    options = req.stream_options
+    include_usage = bool(options is not None and options.include_usage)
+    continuous = include_usage and bool(options.continuous_usage_stats)
+    n_prompt, n_out = len(req.token_ids), 0
 
-    def frame(chunk) -> bytes:
+    def frame(chunk, **dump) -> bytes:
         exclude = {name for name in ("prompt_token_ids", "mm_placeholders", "metrics") if getattr(chunk, name) is None}
-        return b"data: " + chunk.model_dump_json(exclude=exclude, **DUMP_OPTIONS).encode() + b"\n\n"
+        return b"data: " + chunk.model_dump_json(exclude=exclude, **dump, **DUMP_OPTIONS).encode() + b"\n\n"
+
+    def with_usage(chunk):
+        if continuous:
+            chunk.usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+        return chunk
 
     pending: TokenDelta | None = None  # held back one event: the last ids go out with the finish reason
     prompt_sent = False
@@ -218,15 +251,18 @@ async def stream(first, events: AsyncIterator, req, model: str) -> AsyncIterator
         while True:
             if isinstance(event, TokenDelta):
                 if pending is not None:
-                    yield frame(_chunk(p, rid, pending, req, None, None, prompt_sent))
+                    n_out += len(pending.token_ids)
+                    yield frame(with_usage(_chunk(p, rid, pending, req, None, None, prompt_sent)))
                     prompt_sent = True
                 pending = event
             else:
                 result: TurnResult = event
                 last = pending or TokenDelta(token_ids=[], logprobs=[])
-                yield frame(_chunk(p, rid, last, req, result, result.finish_reason or "stop", prompt_sent))
-                if req.stream_options is not None and req.stream_options.include_usage:
-                    yield frame(p.GenerateTokensStreamResponse(request_id=rid, choices=[], usage=_usage(result)))
+                n_out += len(last.token_ids)
+                yield frame(with_usage(_chunk(p, rid, last, req, result, result.finish_reason or "stop", prompt_sent)))
+                if include_usage:
+                    yield frame(p.GenerateTokensStreamResponse(request_id=rid, choices=[], usage=_usage(result)),
+                                exclude_none=True)
                 break
             event = await events.__anext__()
     except StopAsyncIteration:
