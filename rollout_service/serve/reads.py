@@ -79,11 +79,10 @@ class RolloutReads:
     async def list_rollouts(self, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
         """A page of the recent-rollouts index, newest first (``GET /v1/rollouts``)."""
         store = getattr(self.store, "inner", self.store)  # past the replica's state cache
-        if getattr(store, "list_recent", None) is None:
-            raise ServiceError(501, "this store keeps no index of recent rollouts", type="not_implemented",
-                               code="no_rollout_index")
         if not 1 <= limit <= MAX_PAGE:
             raise bad_request(f"limit must be 1 to {MAX_PAGE}, got {limit}", param="limit")
+        if getattr(store, "list_recent", None) is None:  # a store without the index: nothing to list
+            return {"object": "list", "data": [], "next_cursor": None, "has_more": False, "indexed": 0}
         try:
             rows, next_cursor, indexed = await self._store_op("list", store.list_recent(limit, cursor))
         except InvalidCursor as exc:
