@@ -1,7 +1,7 @@
 """Drive NeMo Gym 0.7's own ``vllm_model`` server code against a running rollout-service.
 
 Run by tests/test_serve_required_prefix.py in a process of its own, with ``PYTHONPATH`` set to the
-directory scripts/setup.sh installs nemo-gym 0.7 into, its ``pins`` first (ahead of the venv's
+directory scripts/setup_test_clients.sh installs nemo-gym 0.7 into, its ``pins`` first (ahead of the venv's
 packages: Gym runs on the openai version it pins), and Gym's own environment: ``NEMO_GYM_CONFIG_DICT`` (the global config a
 Gym-launched server process gets from its parent: training-token capture into a directory, whose
 file sink and lineage store resolve each call's parent and so decide the prefix) and

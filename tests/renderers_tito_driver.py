@@ -4,7 +4,7 @@ with the next turn's prompt built as TrainClient builds it, ``Renderer.bridge_to
 previous prompt + completion and the new messages (a tool result), ``X-Session-ID`` per rollout.
 
 Run by tests/test_serve_tokens.py in a process of its own with ``PYTHONPATH`` set to the directory
-scripts/setup.sh installs renderers into. Prints JSON: per rollout, each call's prompt ids, whether
+scripts/setup_test_clients.sh installs renderers into. Prints JSON: per rollout, each call's prompt ids, whether
 it was bridged, completion ids and logprobs, finish reason.
 
     python tests/renderers_tito_driver.py BASE_URL MODEL_DIR MODEL ROLLOUTS TURNS

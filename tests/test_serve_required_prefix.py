@@ -20,7 +20,7 @@ from serve_helpers import IM_END, MODEL, expected_tail_text
 
 
 REPO = Path(__file__).resolve().parents[1]
-GYM = REPO / ".venv" / "nemo-gym-0.7"  # installed there by scripts/setup.sh
+GYM = REPO / ".venv" / "nemo-gym-0.7"  # installed there by scripts/setup_test_clients.sh
 SKIN, NY, SKINNY = 26951, 3834, 94224  # " Skin" + "ny": the text re-tokenizes to the one id " Skinny"
 
 
@@ -157,7 +157,7 @@ def gym_run(service, tmp_path_factory):
     tests/nemo_gym_driver.py, in its own process with Gym's pinned openai; returns what the driver saw
     and the requests / answers Gym's own transport log recorded."""
     if not (GYM / ".installed").exists():
-        pytest.fail(f"NeMo Gym 0.7 is not installed in {GYM}: run scripts/setup.sh")
+        pytest.fail(f"NeMo Gym 0.7 is not installed in {GYM}: run scripts/setup_test_clients.sh")
     root = tmp_path_factory.mktemp("gym")
     log = root / "transport.jsonl"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(GYM / "pins"), str(GYM)]),  # Gym's openai pin first

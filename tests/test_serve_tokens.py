@@ -186,9 +186,9 @@ def test_prime_rls_token_in_client_records_each_rollout_as_one_exact_segment(ser
     import sys
     from pathlib import Path
 
-    rend = Path(__file__).resolve().parents[1] / ".venv" / "renderers-0.1.12"  # scripts/setup.sh installs it
+    rend = Path(__file__).resolve().parents[1] / ".venv" / "renderers-0.1.12"  # scripts/setup_test_clients.sh installs it
     if not (rend / ".installed").exists():
-        pytest.fail(f"renderers 0.1.12 is not installed in {rend}: run scripts/setup.sh")
+        pytest.fail(f"renderers 0.1.12 is not installed in {rend}: run scripts/setup_test_clients.sh")
     driver = Path(__file__).with_name("renderers_tito_driver.py")
     proc = subprocess.run([sys.executable, str(driver), service.url, str(tiny_model_dir), MODEL, "4", "3"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(rend)})

@@ -2,7 +2,7 @@
 
 The page is rendered from the stored state (pure tests, a fake tokenizer that decodes to hostile
 HTML) and loaded from the running service in Debian's headless ``chromium`` (installed by
-``scripts/setup.sh``): the DOM the browser built must hold exactly the trajectory's tokens, in order,
+``scripts/setup_test_clients.sh``): the DOM the browser built must hold exactly the trajectory's tokens, in order,
 with exactly its loss-masked ones marked generated and their logprobs on hover.
 """
 
@@ -143,7 +143,7 @@ def test_a_fork_shows_the_reason_derived_from_the_stored_messages():
 def _chromium() -> str:
     path = shutil.which("chromium")
     if path is None:
-        pytest.fail("chromium is not installed: run scripts/setup.sh (apt-get install chromium)")
+        pytest.fail("chromium is not installed: run scripts/setup_test_clients.sh (apt-get install chromium)")
     return path
 
 

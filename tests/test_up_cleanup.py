@@ -386,9 +386,23 @@ def test_up_stops_redis_and_every_ray_process_on_sigterm_and_a_second_sigint(tmp
             time.sleep(0.5)
 
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        while f"metrics (Prometheus): {metrics_url}" not in log_text():
-            assert time.monotonic() < deadline, f"up printed no metrics URL:\n{log_text()[-4000:]}"
+        while "  try: rollout-service demo" not in log_text():  # the banner's last line
+            assert time.monotonic() < deadline, f"up printed no ready banner:\n{log_text()[-4000:]}"
             time.sleep(0.2)
+        # up speaks like a tool: its own lines and one banner naming every URL and the log directory
+        # (Ray's, vLLM's and HAProxy's INFO lines go there, not to the terminal).
+        text = log_text()
+        banner = text[text.index("rollout-service is up"):]
+        base = f"http://127.0.0.1:{port}"
+        for url in (f"{base}/v1", f"{base}/inference/v1/generate", f"{base}/docs", f"{base}/v1/status",
+                    f"{base}/rollouts", metrics_url):
+            assert url in banner, (url, banner)
+        logs_dir = Path(re.search(r"^  logs\s+(\S+)$", banner, re.M).group(1))
+        assert logs_dir.is_dir() and any(logs_dir.glob("worker-*")), logs_dir
+        lines = text[: text.index("rollout-service is up")].splitlines()
+        assert len(lines) <= 25 and all(line.startswith("[up]") for line in lines), "\n".join(lines)
+        for path in ("/docs", "/rollouts", "/v1/status"):
+            assert httpx.get(base + path, timeout=30).status_code == 200, path
         assert "# TYPE ray_" in httpx.get(metrics_url, timeout=30).text  # Ray's metrics agent serves it
         history = _calls_reach_one_replica_per_rollout_through_haproxy(f"http://127.0.0.1:{port}")
 

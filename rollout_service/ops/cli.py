@@ -20,7 +20,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from rollout_service.ops.launcher import run_up
 
     return run_up(host=args.host, port=args.port, config_path=args.config, redis_url=args.redis_url,
-                  metrics_port=args.metrics_port, proxy=args.proxy)
+                  metrics_port=args.metrics_port, proxy=args.proxy, verbose=args.verbose)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP ingress: haproxy (default; HAProxy hashes X-Rollout-Id straight to the replica that owns "
                         "the rollout) or serve (Serve's Python HTTP proxy and consistent-hash router); "
                         "docs/data-plane.md")
+    u.add_argument("--verbose", action="store_true",
+                   help="print the output of Ray, the engines, the app and HAProxy here too (by default it goes to "
+                        "the log directory the ready banner names)")
     u.set_defaults(func=_cmd_up)
 
     d = sub.add_parser("demo", help="drive a multi-turn tool-using rollout against a running service")

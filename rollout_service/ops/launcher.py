@@ -26,7 +26,7 @@ class LocalService:
 
     def __init__(self, config: RolloutServiceConfig, *, host: str = "127.0.0.1", port: int = 8000,
                  data_dir: str | None = None, log=print, metrics_port: int | None = None,
-                 proxy: str | None = None):
+                 proxy: str | None = None, verbose: bool = True):
         self.config = config.model_copy(deep=True)
         # The HTTP ingress (runtime.PROXY_ENV) for a Ray this starts; None: whatever the environment says.
         self.proxy = proxy
@@ -34,6 +34,10 @@ class LocalService:
         self.metrics_port = metrics_port  # Ray's metrics export port when this starts Ray (None: Ray picks)
         self.metrics_url: str | None = None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="rollout-service-")
+        # verbose: Ray's workers (engines, replicas, HAProxy) print here, as Ray does by default; off:
+        # their output stays in the session's log files, linked as <data_dir>/logs (self.logs_dir).
+        self.verbose = verbose
+        self.logs_dir: str | None = None
         self.redis = None
         self.fleet = None
         self.controller = None
@@ -61,6 +65,8 @@ class LocalService:
         from rollout_service.ops.runtime import start_local_ray
         from rollout_service.serve.app import build_app
 
+        if not self.verbose:
+            quiet_driver_loggers()
         t0 = time.perf_counter()
         if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):  # the ingress this starts binds it
             from rollout_service.ops.runtime import check_port_free
@@ -75,7 +81,8 @@ class LocalService:
             self.redis.supervise(log=self.log)  # restarted on the same port and AOF if it dies
         model = self.config.engine.resolved_model()
         self.log(f"[up] model: {model}")
-        start_local_ray(metrics_port=self.metrics_port)
+        start_local_ray(metrics_port=self.metrics_port, log_to_driver=self.verbose)
+        self._link_logs()
         self.log(f"[up] HTTP ingress: {_INGRESS[proxy_mode()]}")
         self.log(f"[up] Ray started ({time.perf_counter() - t0:.1f}s); loading {self.config.engine.num_engines} engine(s)...")
         self.fleet = get_or_create_fleet(self.config)
@@ -101,6 +108,25 @@ class LocalService:
         self.metrics_url = metrics_url()
         self.log(f"[up] ready in {time.perf_counter() - t0:.1f}s: {self.url}/v1 (OpenAI base_url)")
         return self
+
+    def _link_logs(self) -> None:
+        """``<data_dir>/logs``: the Ray session's log directory (Ray's, the engines', the replicas',
+        HAProxy's output), kept after the service stops."""
+        from rollout_service.ops.runtime import local_ray_logs_dir
+
+        logs = local_ray_logs_dir()
+        if logs is None:  # a cluster this process only connected to keeps its logs on its nodes
+            return
+        link = Path(self.data_dir) / "logs"
+        try:
+            if link.is_symlink():
+                link.unlink()
+            link.symlink_to(logs, target_is_directory=True)
+            self.logs_dir = str(link)
+        except OSError:
+            self.logs_dir = logs
+        if not self.verbose:
+            self.log(f"[up] logs of Ray, the engines, the app and HAProxy: {self.logs_dir} (--verbose prints them here)")
 
     def _wait_healthy(self, timeout: float = 300) -> None:
         import httpx
@@ -155,11 +181,42 @@ class LocalService:
                 self.redis = None
 
 
+# Loggers of this process that print INFO lines of Ray, Serve, vLLM and the libraries they load.
+_DRIVER_LOGGERS = ("ray", "ray.serve", "ray.data", "vllm", "transformers", "filelock", "httpx")
+
+
+def quiet_driver_loggers() -> None:
+    """Only warnings and errors from the libraries in this process (``up`` prints its own progress)."""
+    import logging
+
+    for name in _DRIVER_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def ready_banner(svc: "LocalService") -> str:
+    """The lines ``up`` prints once the service answers: every URL a user needs, and where the logs are."""
+    rows = [("API (OpenAI base_url)", f"{svc.url}/v1"),
+            ("token in, token out", f"{svc.url}/inference/v1/generate"),
+            ("OpenAPI docs", f"{svc.url}/docs"),
+            ("status", f"{svc.url}/v1/status   (rollout-service status --url {svc.url})"),
+            ("rollouts", f"{svc.url}/rollouts"),
+            ("metrics (Prometheus)", svc.metrics_url or "none: this Ray node exports no metrics")]
+    if svc.logs_dir:
+        rows.append(("logs", svc.logs_dir))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"rollout-service is up: {svc.url}  (Ctrl-C stops everything)"]
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    lines.append(f"  try: rollout-service demo --url {svc.url}")
+    return "\n".join(lines)
+
+
 def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = None, redis_url: str | None = None,
-           metrics_port: int | None = None, proxy: str | None = "haproxy") -> int:
+           metrics_port: int | None = None, proxy: str | None = "haproxy", verbose: bool = False) -> int:
     """Serve until SIGINT / SIGTERM, then stop everything this process started.
 
     ``proxy``: the HTTP ingress, ``haproxy`` (measured the cheaper, docs/benchmarks.md) or ``serve``.
+    ``verbose``: Ray's workers and the libraries print everything here, as before; by default only
+    ``up``'s own lines and warnings, the rest in ``<data dir>/logs``.
     ``metrics_port``: Prometheus metrics on ``http://127.0.0.1:<port>/metrics`` (Ray's metrics agent;
     0 or None: a port Ray picks); printed at start-up either way.
 
@@ -179,7 +236,7 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
     config = RolloutServiceConfig.from_yaml(config_path) if config_path else RolloutServiceConfig()
     if redis_url:
         config.store.redis_url = redis_url
-    svc = LocalService(config, host=host, port=port, metrics_port=metrics_port, proxy=proxy)
+    svc = LocalService(config, host=host, port=port, metrics_port=metrics_port, proxy=proxy, verbose=verbose)
     stop = threading.Event()
     phase = "starting"  # -> up -> stopping -> forced (a second signal) -> final (uninterruptible)
 
@@ -210,9 +267,7 @@ def run_up(host: str = "127.0.0.1", port: int = 8000, config_path: str | None = 
         take_signals()  # ray.init replaces the SIGTERM handler (see runtime._restore_sigterm)
         tree_when_up = process_tree([os.getpid()]) - {process_id(os.getpid())}
         phase = "up"
-        print(f"rollout-service is up: {svc.url}  (OpenAI base_url {svc.url}/v1; Ctrl-C stops)", flush=True)
-        print(f"metrics (Prometheus): {svc.metrics_url or 'none: this Ray node exports no metrics'}", flush=True)
-        print(f"try: rollout-service demo --url {svc.url}", flush=True)
+        print(ready_banner(svc), flush=True)
         stop.wait()
     except KeyboardInterrupt:
         pass

@@ -128,11 +128,13 @@ def apply_local_env() -> None:
 
 
 def start_local_ray(num_cpus: int = 16, address: str | None = None,
-                    metrics_port: int | None = None) -> dict[str, Any]:
+                    metrics_port: int | None = None, log_to_driver: bool = True) -> dict[str, Any]:
     """Connect to ``address`` (or RAY_ADDRESS) if given, else start a local single-node Ray.
 
     ``num_cpus`` is logical: the engines, affinity replicas and Serve proxy each reserve some, and a
-    2-core machine must still place them all. ``metrics_port``: the port Ray's metrics agent serves
+    2-core machine must still place them all. ``log_to_driver``: stream the output of Ray's workers
+    (engines, replicas, HAProxy) to this process, as Ray does by default; off, it stays in the
+    session's log files (:func:`local_ray_logs_dir`). ``metrics_port``: the port Ray's metrics agent serves
     Prometheus text on (``/metrics``: Ray's, Serve's, vLLM's and the service's metrics; see
     :func:`metrics_url`); None lets Ray pick one. A cluster this process only connects to keeps its own.
     """
@@ -144,7 +146,7 @@ def start_local_ray(num_cpus: int = 16, address: str | None = None,
     on_main_thread = threading.current_thread() is threading.main_thread()
     sigterm_handler = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     try:
-        return _init_ray(num_cpus, address, metrics_port)
+        return _init_ray(num_cpus, address, metrics_port, log_to_driver)
     finally:
         if sigterm_handler is not None:  # None: not set from Python, nothing to give back
             _restore_sigterm(sigterm_handler)
@@ -166,14 +168,16 @@ def _restore_sigterm(previous) -> None:
     signal.signal(signal.SIGTERM, rays if keep_rays else previous)
 
 
-def _init_ray(num_cpus: int, address: str | None, metrics_port: int | None = None) -> dict[str, Any]:
+def _init_ray(num_cpus: int, address: str | None, metrics_port: int | None = None,
+              log_to_driver: bool = True) -> dict[str, Any]:
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
     if metrics_port and not address:
         check_port_free(metrics_port, "metrics")
     if address:
-        ctx = ray.init(address=address, namespace="rollout-service", ignore_reinit_error=True)
+        ctx = ray.init(address=address, namespace="rollout-service", ignore_reinit_error=True,
+                       log_to_driver=log_to_driver)
     else:
         for k, v in LOCAL_RAY_ENV.items():
             os.environ.setdefault(k, v)
@@ -191,6 +195,7 @@ def _init_ray(num_cpus: int, address: str | None, metrics_port: int | None = Non
                     runtime_env={"env_vars": {k: os.environ[k] for k in (*RAY_ENV, *PROXY_ENV["haproxy"], *HAPROXY_PORT_ENV,
                                                                          *LOCAL_HAPROXY_DEFAULTS) if k in os.environ}},
                     logging_level="WARNING",
+                    log_to_driver=log_to_driver,
                     _metrics_export_port=metrics_port or None,
                 )
                 break
@@ -356,6 +361,13 @@ def stop_processes(procs: Iterable[ProcessId], grace: float = 5.0) -> list[int]:
     while any(is_running(p) for p in alive) and time.monotonic() < deadline:
         time.sleep(0.05)
     return sorted(p.pid for p in alive)
+
+
+def local_ray_logs_dir() -> str | None:
+    """The log directory of the Ray session this process started (Ray's, the engines', the Serve
+    replicas' and HAProxy's output); None when it only connected to a cluster."""
+    session_dir, _ = _local_ray_session()
+    return f"{session_dir}/logs" if session_dir else None
 
 
 def _local_ray_session() -> tuple[str | None, list[int]]:
