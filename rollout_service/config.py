@@ -379,6 +379,12 @@ class FleetConfig(_Strict):
         description="An engine the fleet's probes find paused for this long while no refit runs is resumed (a "
         "refit's pause that landed after its controller died or gave up would otherwise hold its calls forever).",
     )
+    drain_timeout_s: float = Field(
+        60.0, ge=0,
+        description="A restart on a new engine config first takes the engines out of the serving set and lets them "
+        "finish the calls they run, for at most this long (new calls answer 503 no_engine meanwhile, as during the "
+        "restart); calls still running then end with their engine. 0: stop at once.",
+    )
     call_deadline_s: float = Field(
         900.0, gt=0,
         description="Fixed part of an engine call's deadline: a generation not finished within call_deadline_s + "

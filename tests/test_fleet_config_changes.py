@@ -5,6 +5,8 @@ interfaces, started in a second instead of ~20 s."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import httpx
@@ -47,7 +49,8 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
             # Simulated engines: what is tested is the fleet's and the app's life cycle (restart on a
             # new engine config, stop with the app); the real engine's start is the session service's.
             "engine": {"model": str(tiny_model_dir), "max_num_seqs": max_num_seqs, "num_cpus_per_engine": 0,
-                       "cpu_kvcache_space_gib": TEST_KV_GIB, "backend": "simulated"},
+                       "cpu_kvcache_space_gib": TEST_KV_GIB, "backend": "simulated",
+                       "sim": {"decode_step_s": 0.01}},  # a 600-token stream takes ~6 s
             "store": {"redis_url": redis_server, "key_prefix": APP},
             "service": {"instance_name": APP, "num_affinity_replicas": 1},
             "fleet": {"app_watch_interval_s": 1.0},
@@ -68,6 +71,21 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
         stats = ray.get(controller.stats.remote(), timeout=120)
         assert stats["num_engines"] == 1 and stats["fleet"]["apps"] == [APP]
 
+        # A streamed call running when the redeploy comes: its engine is drained (out of the serving
+        # set, its calls finished), not killed under it.
+        stream: dict = {}
+
+        def long_stream() -> None:
+            body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "go"}], "max_tokens": 600,
+                    "ignore_eos": True, "stream": True, "seed": 1}
+            with httpx.stream("POST", f"{service.url}/{APP}/v1/chat/completions", json=body, timeout=120,
+                              headers={"X-Rollout-Id": "drained-1"}) as r:
+                stream["status"] = r.status_code
+                stream["lines"] = [line for line in r.iter_lines() if line]
+
+        runner = threading.Thread(target=long_stream)
+        runner.start()
+        time.sleep(1.0)  # the stream is under way
         t0 = time.monotonic()
         serve.run(build_app(config(8)), name=APP, route_prefix=f"/{APP}")  # the redeploy
         deadline = time.monotonic() + 300
@@ -76,6 +94,15 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
             time.sleep(0.5)
         _wait_healthy(health)
         print(f"redeploy with a new engine config -> healthy on new engines: {time.monotonic() - t0:.1f}s")
+        runner.join(120)
+        events = [json.loads(line[6:]) for line in stream["lines"] if line.startswith("data: {")]
+        assert stream["status"] == 200 and not [e for e in events if "error" in e], events[-3:]
+        assert [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")] == ["length"]
+        stored = httpx.get(f"{service.url}/{APP}/v1/rollouts/drained-1", timeout=60).json()
+        assert stored["turns"] == 1 and sum(stored["segments"][0]["loss_mask"]) == 600
+        drain = ray.get(fleet.stats.remote())["last_drain"]
+        print(f"drain before the restart: {drain}")
+        assert drain is not None and drain["unfinished"] == [] and drain["seconds"] > 0.2
         new_pids = _engine_pids(fleet)
         assert new_pids and not set(new_pids) & set(old_pids)
         assert all(process_gone(p) for p in old_pids), "old engines still running"

@@ -84,6 +84,7 @@ class EngineFleet(CurrentWeights, Adoption):
         self._refits = {"committed": 0, "not_committed": 0}
         self._pin_moves = 0  # rollouts the data plane moved off a live engine (routing.policy)
         self._adopted_count: int | None = None  # engines a restarted incarnation took over (None: a first one)
+        self._last_drain: dict | None = None  # the last drain of a restart on a new engine config
 
     def _init_state(self) -> None:
         self._reset_slots()
@@ -149,7 +150,7 @@ class EngineFleet(CurrentWeights, Adoption):
         keep = self.weights if same_model else None
         keep_version = self.health.current_version if same_model else BASE_VERSION
         async with self._start_lock:
-            await self._stop_engines()
+            await self._stop_engines(drain=True)
             self.config = new
             self._init_state()
             if keep is not None and keep_version != BASE_VERSION:
@@ -177,13 +178,17 @@ class EngineFleet(CurrentWeights, Adoption):
             await self._stop_engines()
             self._init_state()
 
-    async def _stop_engines(self) -> None:
+    async def _stop_engines(self, drain: bool = False) -> None:
+        """Stop every engine. ``drain`` (a restart on a new engine config): they leave the serving set
+        first and finish the calls they run, for up to ``fleet.drain_timeout_s``."""
         self._closing = True
         if self.weights.exporting is not None:
             self.weights.exporting.cancel()
         if self._monitor is not None:
             self._monitor.cancel()
             self._monitor = None
+        if drain:
+            await self._drain()
         for s in self.slots:
             if s.task is not None:
                 s.task.cancel()
@@ -208,6 +213,31 @@ class EngineFleet(CurrentWeights, Adoption):
         await asyncio.gather(*[stop(s) for s in self.slots])
         async with self._changed:
             self._changed.notify_all()
+
+    async def _drain(self) -> None:
+        slots = self.health.drain()
+        if not slots:
+            return
+        async with self._changed:
+            self._changed.notify_all()  # the routers' long polls see the empty serving set now
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deadline = t0 + self.config.fleet.drain_timeout_s
+        pending = {i for i in slots if self.slots[i].actor is not None}
+        while pending and loop.time() < deadline:
+            for i in sorted(pending):
+                try:
+                    running = await asyncio.wait_for(self.slots[i].actor.num_in_flight.remote(), timeout=5)
+                except Exception:  # gone, or too stalled to answer: nothing to wait for
+                    running = 0
+                if running == 0:
+                    pending.discard(i)
+            if pending:
+                await asyncio.sleep(0.2)
+        took = loop.time() - t0
+        self._last_drain = {"slots": slots, "seconds": round(took, 3), "unfinished": sorted(pending)}
+        logger.warning("engines %s drained in %.1fs%s", slots, took,
+                       f"; {sorted(pending)} still had calls at fleet.drain_timeout_s" if pending else "")
 
     # ------------------------------------------------------------------ views
     def _view(self) -> FleetView:
@@ -361,6 +391,7 @@ class EngineFleet(CurrentWeights, Adoption):
             "pin_moves": self._pin_moves,
             "incarnation": self.incarnation,
             "adopted": self._adopted_count,
+            "last_drain": dict(self._last_drain) if self._last_drain else None,
         }
 
     def count_pin_move(self) -> None:

@@ -51,6 +51,7 @@ class EngineState(str, Enum):
     REPLACING = "replacing"  # a replacement is starting / loading the current weights
     STALE = "stale"  # loaded and answering, but not on the current weight version: not serving
     RETIRED = "retired"  # replacement budget exhausted (crash loop): reported, not retried
+    DRAINING = "draining"  # retired on purpose (new engine config): finishing its calls, then stopped
 
 
 SERVING = frozenset({EngineState.HEALTHY, EngineState.SUSPECT})
@@ -234,6 +235,13 @@ class FleetHealth:
             else:
                 self._die(s, error)
         return s.state
+
+    def drain(self) -> list[int]:
+        """Every serving engine leaves the serving set to finish its calls (the fleet stops them next)."""
+        slots = [s for s in self.slots if s.state in SERVING]
+        for s in slots:
+            self._enter(s, EngineState.DRAINING)
+        return [s.slot for s in slots]
 
     def revive(self, slot: int) -> None:
         """Operator action: give a RETIRED slot a fresh replacement budget."""
