@@ -57,7 +57,7 @@ CALL_MODES = ("stateful", "stateless", "completion")
 # HistoryConflict.field values (onpolicy.messages.first_difference, onpolicy.turn); anything else -> "other".
 FORK_REASONS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "missing", "new_messages",
                 "tools", "echo", "other")
-ENGINE_STATES = ("starting", "healthy", "suspect", "dead", "replacing", "stale", "retired")  # fleet.health.EngineState
+ENGINE_STATES = ("starting", "healthy", "suspect", "dead", "replacing", "stale", "retired", "draining")  # fleet.health.EngineState
 REFIT_OUTCOMES = ("ok", "failed", "rejected")
 REFIT_PHASES = ("pause", "transfer", "load", "resume")
 STORE_OPS = ("load", "append", "read", "delete")
