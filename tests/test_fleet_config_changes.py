@@ -50,7 +50,7 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
             # new engine config, stop with the app); the real engine's start is the session service's.
             "engine": {"model": str(tiny_model_dir), "max_num_seqs": max_num_seqs, "num_cpus_per_engine": 0,
                        "cpu_kvcache_space_gib": TEST_KV_GIB, "backend": "simulated",
-                       "sim": {"decode_step_s": 0.01}},  # a 600-token stream takes ~6 s
+                       "sim": {"decode_step_s": 0.02}},  # a 600-token stream takes ~12 s
             "store": {"redis_url": redis_server, "key_prefix": APP},
             "service": {"instance_name": APP, "num_affinity_replicas": 1},
             "fleet": {"app_watch_interval_s": 1.0},

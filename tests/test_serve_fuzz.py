@@ -102,6 +102,13 @@ def _steer(case, steer: dict | None, model: str, run: str) -> None:
 
 def _cheap(case) -> None:
     """Cap the tokens a generated call may ask for (a larger valid count would only cost time)."""
+    if case.operation.path == "/inference/v1/generate" and isinstance(case.body, dict):
+        sampling = case.body.get("sampling_params")
+        if isinstance(sampling, dict):  # no max_tokens there means the whole context, as on vLLM's route
+            value = sampling.get("max_tokens")
+            if "max_tokens" not in sampling or (type(value) is int and MAX_TOKENS < value <= 1024):
+                sampling["max_tokens"] = MAX_TOKENS
+        return
     if case.operation.path not in GENERATING or not isinstance(case.body, dict):
         return
     for name in TOKEN_FIELDS:

@@ -93,7 +93,8 @@ class FleetClient:
         live = {m.key for m in view.members}
         now = time.monotonic()
         self.lost = {k: t for k, t in self.lost.items() if k in live and t > now}
-        for key in [k for k in self.channels if k not in live]:
+        keep = live | set(getattr(view, "draining", ()))  # a draining engine finishes its calls
+        for key in [k for k in self.channels if k not in keep]:
             # An engine that left the serving set (dead, replaced, retired): its calls fail now as
             # lost (retried elsewhere if they produced nothing), not whenever its socket notices.
             self.channels.pop(key).close()

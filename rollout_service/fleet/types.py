@@ -42,6 +42,9 @@ class FleetView:
     members: tuple[Member, ...]
     refitting: bool = False
     incarnation: str | None = None  # the fleet actor's life: a new one after every restart of the actor
+    # Engines being drained (retired on purpose): routed nothing new, but the calls they run go on, so
+    # a data-plane process keeps their channels open.
+    draining: tuple[tuple[int, int], ...] = ()
 
     def handles(self) -> list[Any]:
         return [m.handle for m in self.members]
