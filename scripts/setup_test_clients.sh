@@ -3,6 +3,7 @@
 # the service: scripts/setup.sh installs that; scripts/test.sh runs this too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ -x .venv/bin/pip ] || bash scripts/setup.sh  # the venv these clients go beside
 
 # chromium renders the trajectory viewer and the rollout index in tests/test_serve_viewer.py.
 if ! command -v chromium >/dev/null 2>&1; then

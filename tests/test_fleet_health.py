@@ -238,3 +238,19 @@ def test_an_adopted_engine_serves_on_the_current_version_and_is_stale_on_another
     clock.advance(20)
     assert h.on_probe_failed(0, 4, "x", fatal=True) is S.DEAD  # and it is replaced like any engine
     assert h.on_replacement_started(0) == 5
+
+
+def test_a_drain_takes_every_engine_out_and_nothing_joins_the_serving_set_after_it(clock):
+    """A restart on a new engine config: the serving engines drain; a replacement that finishes
+    loading, or a stale engine a refit would have caught up, does not join (the fleet stops them all)."""
+    h = FleetHealth(3, POLICY, clock=clock)
+    h.on_loaded(0, 0, "0")
+    h.on_loaded(1, 0, "0")
+    epoch = h.epoch
+    assert h.drain() == [0, 1] and h.serving() == [] and h.epoch > epoch
+    assert [s.state for s in h.slots[:2]] == [S.DRAINING, S.DRAINING]
+    assert h.on_loaded(2, 0, "0") is not S.HEALTHY and h.serving() == []  # a start that completes now
+    h.begin_refit()
+    h.end_refit("1")
+    assert h.current_version == "1" and h.serving() == []  # the committed version is kept, nothing joins
+    assert h.on_probe_ok(0, 0) is S.DRAINING

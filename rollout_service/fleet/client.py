@@ -196,12 +196,15 @@ class FleetClient:
             chunks = self.generate(member, request, stream)
             try:
                 while True:
+                    timer = asyncio.timeout_at(deadline)
                     try:  # the deadline covers the wait for each chunk, never the caller's use of it
-                        async with asyncio.timeout_at(deadline):
+                        async with timer:
                             chunk = await anext(chunks)
                     except StopAsyncIteration:
                         return
                     except TimeoutError:
+                        if not timer.expired():  # a timeout of the engine's own, not this call's deadline
+                            raise
                         get_metrics().engine_call_deadline()
                         logger.warning("a call of rollout %s on engine slot %d passed its %.1fs deadline after %d "
                                        "tokens; aborted", rollout_id, member.slot, budget, len(progress.ids))

@@ -147,10 +147,11 @@ class EngineFleet(CurrentWeights, Adoption):
             self.health.policy = health_policy(new.fleet)
             return []
         logger.warning("engine config changed (%s): restarting the fleet", ", ".join(changed))
-        keep = self.weights if same_model else None
-        keep_version = self.health.current_version if same_model else BASE_VERSION
         async with self._start_lock:
             await self._stop_engines(drain=True)
+            # Read after the drain: a refit that committed while the engines finished their calls counts.
+            keep = self.weights if same_model else None
+            keep_version = self.health.current_version if same_model else BASE_VERSION
             self.config = new
             self._init_state()
             if keep is not None and keep_version != BASE_VERSION:
@@ -187,11 +188,11 @@ class EngineFleet(CurrentWeights, Adoption):
         if self._monitor is not None:
             self._monitor.cancel()
             self._monitor = None
-        if drain:
-            await self._drain()
-        for s in self.slots:
+        for s in self.slots:  # no start, replacement or reload may bring an engine back into service now
             if s.task is not None:
                 s.task.cancel()
+        if drain:
+            await self._drain()
 
         async def stop(s: _Slot):
             if s.actor is None:
@@ -223,15 +224,25 @@ class EngineFleet(CurrentWeights, Adoption):
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         deadline = t0 + self.config.fleet.drain_timeout_s
+        # The routers learn of the empty serving set through their long poll: a call routed just
+        # before must reach its engine before an idle reading counts.
+        settle = t0 + min(1.0, self.config.fleet.drain_timeout_s)
         pending = {i for i in slots if self.slots[i].actor is not None}
+
+        async def running(i: int) -> int:
+            try:
+                return await asyncio.wait_for(self.slots[i].actor.num_in_flight.remote(),
+                                              timeout=max(0.1, min(self.config.fleet.probe_timeout_s, deadline - loop.time())))
+            except asyncio.TimeoutError:
+                return 1  # too busy or stalled to answer: not known to be idle
+            except Exception:  # the actor is gone: nothing left to wait for
+                return 0
+
         while pending and loop.time() < deadline:
-            for i in sorted(pending):
-                try:
-                    running = await asyncio.wait_for(self.slots[i].actor.num_in_flight.remote(), timeout=5)
-                except Exception:  # gone, or too stalled to answer: nothing to wait for
-                    running = 0
-                if running == 0:
-                    pending.discard(i)
+            order = sorted(pending)
+            counts = await asyncio.gather(*(running(i) for i in order))
+            if loop.time() >= settle:
+                pending -= {i for i, n in zip(order, counts) if n == 0}
             if pending:
                 await asyncio.sleep(0.2)
         took = loop.time() - t0

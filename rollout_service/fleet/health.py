@@ -113,6 +113,7 @@ class FleetHealth:
         self.clock = clock
         self.current_version = current_version
         self.refitting = False
+        self.retiring = False  # set by drain(): the fleet stops every engine next
         self.epoch = 0
         now = clock()
         self.slots = [SlotHealth(i, since=now, last_ok=now) for i in range(num_slots)]
@@ -237,7 +238,9 @@ class FleetHealth:
         return s.state
 
     def drain(self) -> list[int]:
-        """Every serving engine leaves the serving set to finish its calls (the fleet stops them next)."""
+        """Every serving engine leaves the serving set to finish its calls (the fleet stops them next);
+        from now on no engine enters it (a load that completes, a refit that ends)."""
+        self.retiring = True
         slots = [s for s in self.slots if s.state in SERVING]
         for s in slots:
             self._enter(s, EngineState.DRAINING)
@@ -273,6 +276,8 @@ class FleetHealth:
 
     # ------------------------------------------------------------------ internals
     def _enter(self, s: SlotHealth, state: EngineState) -> None:
+        if self.retiring and state in SERVING:
+            return  # the fleet is stopping these engines: none serves again
         was_serving = s.state in SERVING
         s.state = state
         s.since = self.clock()

@@ -81,7 +81,9 @@ class LocalService:
             self.redis.supervise(log=self.log)  # restarted on the same port and AOF if it dies
         model = self.config.engine.resolved_model()
         self.log(f"[up] model: {model}")
-        start_local_ray(metrics_port=self.metrics_port, log_to_driver=self.verbose)
+        # On a cluster this process only joins, its workers' output has no local log directory: stream it.
+        start_local_ray(metrics_port=self.metrics_port,
+                        log_to_driver=self.verbose or ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS")))
         self._link_logs()
         self.log(f"[up] HTTP ingress: {_INGRESS[proxy_mode()]}")
         self.log(f"[up] Ray started ({time.perf_counter() - t0:.1f}s); loading {self.config.engine.num_engines} engine(s)...")

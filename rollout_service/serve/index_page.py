@@ -42,7 +42,8 @@ def render_index_html(rows: list[dict[str, Any]], next_cursor: str | None, limit
         facts.append(f"{indexed} in the recent index")
     out.append(f"<p class=\"summary\">{e(' · '.join(facts))}</p>")
     if not rows:
-        out.append("<p>No rollout has been recorded yet (or the index is off: store.recent_rollouts 0).</p>")
+        out.append("<p>No rollout on this page: none recorded yet, the ones indexed here have expired or were "
+                   "deleted, or the index is off (store.recent_rollouts 0).</p>")
     else:
         out.append("<table><thead><tr><th>rollout</th><th>turns</th><th>segments</th><th>last weight version</th>"
                    "<th>markers</th><th>last turn</th><th></th></tr></thead><tbody>")

@@ -12,6 +12,7 @@ is not part of a turn's acknowledgement (a failed index write is logged, the tur
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,6 +22,8 @@ from rollout_service.onpolicy.types import TurnDelta
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 1000
+NOTE_TIMEOUT_S = 0.5  # longest a turn waits for its index entry (then it goes on without it)
+MAX_ROUNDS = 8  # a page skips at most this many pages' worth of expired entries before it answers
 
 
 class InvalidCursor(ValueError):
@@ -79,11 +82,11 @@ class RecentIndex:
     async def note(self, rollout_id: str, at_ms: int) -> None:
         if self.size <= 0:
             return
-        try:
+        try:  # bounded on its own: the turn is acknowledged already, a slow index must not hold it
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.zadd(self.key, {rollout_id: at_ms})
                 pipe.zremrangebyrank(self.key, 0, -(self.size + 1))
-                await pipe.execute()
+                await asyncio.wait_for(pipe.execute(), NOTE_TIMEOUT_S)
         except Exception as exc:  # the turn is stored; only the browsing index misses it
             log.warning("recent-rollouts index not updated for %s: %s", rollout_id, exc)
 
@@ -98,28 +101,46 @@ class RecentIndex:
     async def page(self, limit: int, cursor: str | None = None) -> tuple[list[RolloutSummary], str | None]:
         """Up to ``limit`` rollouts appended to before ``cursor`` (newest first), and the cursor of the
         next page (None: no more). Entries with the same score are ordered by id (Redis's order), so a
-        page boundary inside a run of equal timestamps neither repeats nor skips one."""
+        page boundary inside a run of equal timestamps neither repeats nor skips one. Rollouts that
+        expired since they were indexed are dropped as they are met; a page reads past them for at
+        most ``MAX_ROUNDS`` pages' worth before it answers with fewer rows."""
         after = parse_cursor(cursor)
         limit = max(1, min(int(limit), MAX_PAGE))
+        out: list[RolloutSummary] = []
+        exhausted = False
+        for _ in range(MAX_ROUNDS):
+            rows, exhausted = await self._after(after, limit - len(out))
+            if rows:
+                after = (rows[-1][1], rows[-1][0])
+                out += await self._summaries(rows)
+            if len(out) >= limit or exhausted:
+                break
+        next_cursor = None if exhausted or after is None else f"{after[0]!r}:{after[1]}"
+        return out, next_cursor
+
+    async def _after(self, after: tuple[float, str] | None, n: int) -> tuple[list[tuple[str, float]], bool]:
+        """The next ``n`` (id, score) after the cursor position, and whether the index ends there."""
         top = repr(after[0]) if after is not None else "+inf"
         rows: list[tuple[str, float]] = []
         offset, exhausted = 0, False
-        while len(rows) < limit and not exhausted:  # more than one round only past ties at the cursor
-            got = await self.client.zrevrangebyscore(self.key, top, "-inf", start=offset, num=limit, withscores=True)
+        while len(rows) < n and not exhausted:  # more than one round only past ties at the cursor
+            got = await self.client.zrevrangebyscore(self.key, top, "-inf", start=offset, num=n, withscores=True)
             offset += len(got)
-            exhausted = len(got) < limit
+            exhausted = len(got) < n
             for member, score in got:
                 rid = member.decode() if isinstance(member, bytes) else member
                 if after is None or score < after[0] or (score == after[0] and rid < after[1]):
                     rows.append((rid, float(score)))
-        rows = rows[:limit]
+        return rows[:n], exhausted and len(rows) <= n
+
+    async def _summaries(self, rows: list[tuple[str, float]]) -> list[RolloutSummary]:
         async with self.client.pipeline(transaction=False) as pipe:
             for rid, _ in rows:
                 pipe.hmget(self.meta_key(rid), "turn", "nseg", "ver", "c", "mig", "at")
-            metas = await pipe.execute() if rows else []
+            metas = await pipe.execute()
         out, gone = [], []
         for (rid, score), m in zip(rows, metas):
-            if m[0] is None:
+            if m[0] is None:  # expired or deleted since it was indexed
                 gone.append(rid)
                 continue
             text = [v.decode() if isinstance(v, bytes) else v for v in m]
@@ -130,5 +151,4 @@ class RecentIndex:
                 await self.client.zrem(self.key, *gone)
             except Exception:
                 pass
-        next_cursor = f"{rows[-1][1]!r}:{rows[-1][0]}" if len(rows) == limit else None
-        return out, next_cursor
+        return out

@@ -186,7 +186,9 @@ def _decode_snapshot(rollout_id: str, reply: Any) -> RolloutState | None:
     return decode_state(rollout_id, turn, segments, incarnation=incarnation)
 
 
-_UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError, rexc.BusyLoadingError)
+# RedisClusterException (SlotNotCoveredError, a cluster the client cannot map) is not a RedisError.
+_UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError, rexc.BusyLoadingError,
+                rexc.RedisClusterException)
 
 
 class RedisRolloutStore:
