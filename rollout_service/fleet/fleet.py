@@ -232,7 +232,7 @@ class EngineFleet(CurrentWeights, Adoption):
         async def running(i: int) -> int:
             try:
                 return await asyncio.wait_for(self.slots[i].actor.num_in_flight.remote(),
-                                              timeout=max(0.1, min(self.config.fleet.probe_timeout_s, deadline - loop.time())))
+                                              timeout=max(0.1, min(self.health.policy.probe_timeout_s, deadline - loop.time())))
             except asyncio.TimeoutError:
                 return 1  # too busy or stalled to answer: not known to be idle
             except Exception:  # the actor is gone: nothing left to wait for
