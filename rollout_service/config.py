@@ -385,6 +385,13 @@ class FleetConfig(_Strict):
         "finish the calls they run, for at most this long (new calls answer 503 no_engine meanwhile, as during the "
         "restart); calls still running then end with their engine. 0: stop at once.",
     )
+    nonstream_progress_s: float = Field(
+        1.0, ge=0,
+        description="A call whose client wants one answer (stream: false) is still streamed from its engine, one "
+        "chunk per this many seconds (the first token at once), so the ids generated so far are known if the engine "
+        "dies: the call continues on another engine from them, as a streamed call does. 0: one round trip per call; "
+        "an engine that dies runs the call again from its prompt.",
+    )
     call_deadline_s: float = Field(
         900.0, gt=0,
         description="Fixed part of an engine call's deadline: a generation not finished within call_deadline_s + "

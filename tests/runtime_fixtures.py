@@ -164,7 +164,7 @@ async def fleet_rig(ray_session, redis_server, tiny_model_dir, tiny_tokenizer, r
 
     cfg, fleet, controller = start_rig(tiny_model_dir, redis_server, tiny_tokenizer)
     store = RedisRolloutStore.from_config(cfg.store)
-    client = await connect(fleet)
+    client = await connect(fleet, nonstream_progress_s=cfg.fleet.nonstream_progress_s)  # as the app's replicas
     runner = TurnRunner(cfg, client, store, tiny_tokenizer)
     trainer = TrainerClient(controller, timeout_s=60)
     stopped = []

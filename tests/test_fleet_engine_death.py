@@ -79,7 +79,8 @@ async def test_turns_whose_engine_dies_mid_generation_continue_on_the_other_engi
     """Three calls in flight on one engine, killed (kill -9) once the streamed one has passed on 8
     tokens: the streamed call continues on the other engine from its prompt + those tokens (one
     unbroken stream, the stored turn equal to it, logprobs equal to a float32 forward across the
-    seam, `migrations: 1`), the non-streamed one (nothing passed on yet) runs again there, and the
+    seam, `migrations: 1`), so does the non-streamed one (streamed from its engine at
+    fleet.nonstream_progress_s: its first token at once, so its progress is known), and the
     streamed one whose sampling cannot be continued exactly (presence penalty) answers 503
     engine_lost naming why. The next turn of the migrated rollout continues its tokens exactly."""
     from engine_helpers import hf_sampled_logprobs, load_hf_model
@@ -136,11 +137,16 @@ async def test_turns_whose_engine_dies_mid_generation_continue_on_the_other_engi
     print(f"migrated after {len(killed['at'])} tokens; max |logprob - fp32 forward| over 160 tokens: {worst:.2e}")
     assert worst <= 1e-4
 
-    # Non-streamed: nothing was passed on, so it ran again on the other engine: answered whole.
+    # Non-streamed: the client gets one answer; it too continued on the other engine from the ids
+    # its engine had generated, exact across the seam.
     plain = plain_events[-1]
     assert "__error__" not in plain and len(plain["generation_token_ids"]) == 160, plain
-    assert "migrations" not in plain["rollout"]
+    assert plain["rollout"]["migrations"] == 1 and plain["engine_index"] != victim.slot, plain["rollout"]
     await assert_trajectory_exact(rig.store, rids["plain"], [plain])
+    ref = hf_sampled_logprobs(load_hf_model(str(tiny_model_dir)), plain["prompt_token_ids"], plain["generation_token_ids"])
+    worst_plain = max(abs(a - b) for a, b in zip(plain["generation_log_probs"], ref))
+    print(f"non-streamed call continued; max |logprob - fp32 forward| over 160 tokens: {worst_plain:.2e}")
+    assert worst_plain <= 1e-4
 
     # Presence penalty counts generated ids: not continued, the retryable 503 says why; nothing stored.
     err = penalty_events[-1]

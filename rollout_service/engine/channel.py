@@ -55,8 +55,11 @@ _ENGINE_GONE = frozenset({"EngineUnavailable", "EngineDeadError"})
 
 
 def _encode_request(request) -> dict[str, Any]:
-    return {"prompt_ids": request.prompt_ids, "sampling": request.sampling.model_dump(exclude_defaults=True),
-            "max_tokens": request.max_tokens, "request_id": request.request_id}
+    out = {"prompt_ids": request.prompt_ids, "sampling": request.sampling.model_dump(exclude_defaults=True),
+           "max_tokens": request.max_tokens, "request_id": request.request_id}
+    if request.batch_window_s is not None:
+        out["batch_window_s"] = request.batch_window_s
+    return out
 
 
 def _decode_request(raw: Any):
@@ -66,7 +69,8 @@ def _decode_request(raw: Any):
     return GenerateRequest(prompt_ids=msgspec.convert(raw["prompt_ids"], list[int]),
                            sampling=SamplingOptions.model_validate(raw["sampling"]),
                            max_tokens=msgspec.convert(raw["max_tokens"], int),
-                           request_id=msgspec.convert(raw["request_id"], str))
+                           request_id=msgspec.convert(raw["request_id"], str),
+                           batch_window_s=msgspec.convert(raw.get("batch_window_s"), float | None))
 
 
 def _remote_error(type_name: str, message: str, client_error: bool, parameter: str | None) -> EngineCallError:

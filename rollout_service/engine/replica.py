@@ -172,6 +172,8 @@ class EngineReplica:
 
         from rollout_service.engine.batching import batched
 
+        if batch_window_s is None:
+            batch_window_s = request.batch_window_s
         window = self.config.stream_batch_window_s if batch_window_s is None else batch_window_s
         chunks = self._generation(request, RequestOutputKind.DELTA)
         if window > 0:

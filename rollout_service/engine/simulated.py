@@ -309,6 +309,8 @@ class SimulatedEngine:
 
     # ----------------------------------------------------------------- data plane
     async def generate(self, request: GenerateRequest, batch_window_s: float | None = None) -> AsyncIterator[GenerationChunk]:
+        if batch_window_s is None:
+            batch_window_s = request.batch_window_s
         window = self.config.stream_batch_window_s if batch_window_s is None else batch_window_s
         chunks = self._generation(request, final_only=False)
         if window > 0:

@@ -19,6 +19,9 @@ class GenerateRequest:
     sampling: SamplingOptions
     max_tokens: int
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # A streamed call's batch window for this request (None: the engine's stream_batch_window_s): a
+    # call whose client wants one answer streams at a long window, so progress exists if its engine dies.
+    batch_window_s: float | None = None
 
 
 @dataclass

@@ -40,10 +40,14 @@ logger = logging.getLogger(__name__)
 class FleetClient:
     def __init__(self, fleet, view: FleetView | None = None, policy: RoutingPolicy | None = None,
                  max_pins: int = 100_000, poll_s: float = 2.0, resolve: Any = None,
-                 call_deadline_s: float | None = None, call_deadline_s_per_token: float = 0.0):
+                 call_deadline_s: float | None = None, call_deadline_s_per_token: float = 0.0,
+                 nonstream_progress_s: float = 0.0):
         self.fleet = fleet
         # A generation's deadline: call_deadline_s + call_deadline_s_per_token x max_tokens (None: none).
         self.call_deadline_s, self.call_deadline_s_per_token = call_deadline_s, call_deadline_s_per_token
+        # > 0: a call whose caller wants one answer is streamed from the engine at this batch window,
+        # so the ids generated so far are here if its engine dies (0: one round trip, re-run instead).
+        self.nonstream_progress_s = nonstream_progress_s
         self.resolve = resolve  # () -> a fleet handle: called when the fleet actor is dead for good
         self.view = view
         self.policy = policy or Sticky()
@@ -66,7 +70,8 @@ class FleetClient:
     def __getstate__(self):
         return {"fleet": self.fleet, "view": self.view, "policy": self.policy, "max_pins": self.max_pins,
                 "poll_s": self.poll_s, "resolve": self.resolve, "call_deadline_s": self.call_deadline_s,
-                "call_deadline_s_per_token": self.call_deadline_s_per_token}
+                "call_deadline_s_per_token": self.call_deadline_s_per_token,
+                "nonstream_progress_s": self.nonstream_progress_s}
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -182,6 +187,8 @@ class FleetClient:
         of the call is raised as is. ``routed``, if given, gets the :class:`Route` of every attempt.
         """
         attempts = max(2, len(self.members()))  # each live engine once; at least one retry
+        if not stream and self.nonstream_progress_s > 0:
+            request, stream = replace(request, batch_window_s=self.nonstream_progress_s), True
         progress = Progress(request)
         budget = self.deadline_s(request.max_tokens)
         deadline = None if budget is None else asyncio.get_running_loop().time() + budget

@@ -159,7 +159,8 @@ class RolloutService(ForwardingReplica):
                                      prefix_caching=self.config.engine.enable_prefix_caching)
                 client = await connect(fleet, policy=policy, resolve=lambda: get_or_create_fleet(self.config),
                                        call_deadline_s=self.config.fleet.call_deadline_s,
-                                       call_deadline_s_per_token=self.config.fleet.call_deadline_s_per_token)
+                                       call_deadline_s_per_token=self.config.fleet.call_deadline_s_per_token,
+                                       nonstream_progress_s=self.config.fleet.nonstream_progress_s)
                 client.on_fleet_restart.append(lambda: self._reattach(client))
                 runner = TurnRunner(self.config, client, store, tokenizer)
                 try:
