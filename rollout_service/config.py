@@ -385,6 +385,12 @@ class FleetConfig(_Strict):
         "finish the calls they run, for at most this long (new calls answer 503 no_engine meanwhile, as during the "
         "restart); calls still running then end with their engine. 0: stop at once.",
     )
+    ledger_timeout_s: float = Field(
+        5.0, gt=0,
+        description="Deadline of each read and write of the fleet's durable record in Ray's GCS (committed weight "
+        "version and its checkpoint, the Serve apps it serves, an open refit bracket), which a restarted fleet "
+        "reads back. A write that fails is logged and counted; the fleet keeps serving.",
+    )
     nonstream_progress_s: float = Field(
         1.0, ge=0,
         description="A call whose client wants one answer (stream: false) is still streamed from its engine, one "

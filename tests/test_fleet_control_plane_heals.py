@@ -359,8 +359,127 @@ def test_a_fleet_killed_for_good_is_created_again_by_the_data_plane_and_adopts_t
     assert asyncio.run(_rollouts(base, "fg", 20, failures)) == 20 and failures == []
 
 
+def _checkpoint(tiny_model_dir, where) -> str:
+    """A checkpoint directory of its own (the simulated engine's digest covers file times): distinct weights."""
+    where.mkdir()
+    shutil.copy(tiny_model_dir / "model.safetensors", where / "model.safetensors")
+    return str(where)
+
+
+def _fleet():
+    from rollout_service.fleet.fleet import fleet_name, get_fleet
+
+    return get_fleet(fleet_name(APP))
+
+
+def _restarted(fleet, before: str, cond=lambda s: True, timeout=60):
+    return _wait(lambda: (s := _try(lambda: ray.get(fleet.stats.remote(), timeout=10))) and s["incarnation"] != before
+                 and cond(s) and s, timeout, "the fleet was not restarted (or did not settle)")
+
+
+def test_fleet_and_controller_killed_together_between_label_and_commit_end_on_the_committed_version_unasked(
+        heal_app, tiny_model_dir, tmp_path):
+    """Both control-plane actors die after every engine was loaded and labelled with a new version
+    that was never committed. The restarted fleet takes the committed version from its durable
+    record, not from the engines' labels (which name the uncommitted one), and the restarted
+    controller rolls every engine back and relabels it at once, before any call reaches it."""
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.controller import controller_name, get_controller
+
+    base, fleet = heal_app[0], _fleet()  # by name: an earlier test may have replaced the fixture's
+    controller = get_controller(controller_name(APP))
+    trainer = TrainerClient(controller, timeout_s=60)
+    assert trainer.refit("k1", _checkpoint(tiny_model_dir, tmp_path / "k1"), transport="path")["ok"]
+    sums = set(trainer.weights_checksums())
+    before = ray.get(fleet.stats.remote(), timeout=60)["incarnation"]
+
+    view = ray.get(fleet.begin_refit.remote(lease_s=600), timeout=60)
+    other = _checkpoint(tiny_model_dir, tmp_path / "k2")
+    for e in (m.handle for m in view.members):
+        ray.get(e.pause.remote(mode="keep"), timeout=60)
+        ray.get(e.collective_rpc.remote("rs_stage_path", args=(other,)), timeout=60)
+        ray.get(e.collective_rpc.remote("rs_load_staged"), timeout=60)
+        ray.get(e.set_weight_version.remote("k2"), timeout=60)
+    fleet_pid, controller_pid = _pid(fleet), _pid(controller)
+    os.kill(controller_pid, signal.SIGKILL)
+    os.kill(fleet_pid, signal.SIGKILL)
+    t0 = time.monotonic()
+
+    # Nothing calls the controller from here on: it recovers by itself.
+    stats = _restarted(fleet, before, lambda s: not s["refitting"] and len(s["serving"]) == ENGINES, 60)
+    settled = time.monotonic() - t0
+    assert stats["weight_version"] == "k1" and stats["version_source"] == "ledger", stats
+    assert {(p, v) for _, p, v in _engine_states(fleet).values()} == {(False, "k1")}
+    recovered = trainer.stats()["recovered"]
+    assert (recovered["version"], recovered["rolled_back"], recovered["relabelled"], recovered["replaced"]) == \
+        ("k1", ENGINES, ENGINES, 0), recovered
+    assert set(trainer.weights_checksums()) == sums  # k1's weights, not k2's
+    print(f"fleet + controller killed between label and commit: every engine serving k1 again after {settled:.1f}s")
+    failures: list = []
+    assert asyncio.run(_rollouts(base, "kt", 20, failures)) == 20 and failures == []
+
+
+def test_a_fleet_restarted_in_the_middle_of_a_refit_keeps_its_bracket(heal_app, tiny_model_dir, tmp_path):
+    """The fleet dies while a refit's engines are paused for a load that takes longer than
+    fleet.resume_unbracketed_pause_s. The new incarnation knows the bracket from its record: it
+    does not resume the engines mid-load, and the refit then commits through it."""
+    base, fleet = heal_app[0], _fleet()  # by name: an earlier test may have replaced the fixture's
+    before = ray.get(fleet.stats.remote(), timeout=60)
+    view = ray.get(fleet.begin_refit.remote(lease_s=600), timeout=60)
+    engines = [m.handle for m in view.members]
+    ray.get([e.pause.remote(mode="keep") for e in engines], timeout=60)
+    os.kill(_pid(fleet), signal.SIGKILL)
+    stats = _restarted(fleet, before["incarnation"])
+    assert stats["refitting"] is True and stats["weight_version"] == before["weight_version"], stats
+    time.sleep(_config(tiny_model_dir, "redis://unused").fleet.resume_unbracketed_pause_s + 2.0)
+    assert ray.get([e.is_paused.remote() for e in engines], timeout=60) == [True] * ENGINES
+
+    ckpt = _checkpoint(tiny_model_dir, tmp_path / "b1")
+    for e in engines:  # the load goes on, then commits as the controller would
+        ray.get(e.collective_rpc.remote("rs_stage_path", args=(ckpt,)), timeout=60)
+        ray.get(e.collective_rpc.remote("rs_load_staged"), timeout=60)
+        ray.get(e.set_weight_version.remote("b1"), timeout=60)
+        ray.get(e.collective_rpc.remote("rs_commit"), timeout=60)
+        ray.get(e.resume.remote(), timeout=60)
+    ray.get(fleet.end_refit.remote("b1", ckpt), timeout=60)
+    stats = ray.get(fleet.stats.remote(), timeout=60)
+    assert stats["weight_version"] == "b1" and not stats["refitting"]
+    assert stats["last_refit"]["outcome"] == "committed" and stats["last_refit"]["from_version"] == before["weight_version"]
+    assert {(p, v) for _, p, v in _engine_states(fleet).values()} == {(False, "b1")}
+    assert len(_engine_states(fleet)) == ENGINES
+
+
 def _try(fn):
     try:
         return fn()
     except Exception:
         return None
+
+
+def test_the_app_deleted_while_the_fleet_is_down_stops_the_restarted_fleet(heal_app):
+    """Runs last in this module (it ends the app). The fleet is stopped (SIGSTOP) while its Serve app
+    is deleted, then killed; Ray restarts it. Its new incarnation reads the apps it served from its
+    record, finds them gone, and stops its engines, the controller and itself; its record is cleared."""
+    from ray import serve
+
+    from rollout_service.fleet.fleet import FLEET_NAMESPACE, fleet_name
+    from rollout_service.fleet.ledger import FleetLedger
+
+    base, fleet = heal_app[0], _fleet()  # by name: an earlier test may have replaced the fixture's
+    pid = _pid(fleet)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        serve.delete(APP)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+
+    def gone():
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == FLEET_NAMESPACE and a["name"].startswith(f"{APP}-")]
+        return not names or None
+
+    _wait(gone, 90, "the restarted fleet kept its engines (or itself) after its app was deleted")
+    print(f"app deleted while the fleet was down: fleet, engines and controller gone {time.monotonic() - t0:.1f}s "
+          "after the fleet's restart")
+    assert asyncio.run(FleetLedger(fleet_name(APP), 5.0).read()) is None

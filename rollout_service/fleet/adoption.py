@@ -5,6 +5,9 @@ A named fleet names its engines (``<fleet>-engine-<slot>-g<generation>``) and th
 groups (``<fleet>-placement-<slot>``) and makes them detached, so they outlive the fleet actor.
 A new incarnation — restarted by Ray, or created again after the fleet was killed for good —
 adopts the live ones before answering anything (docs/reliability.md, "The control plane heals").
+What the engines cannot tell it (the committed version, the Serve apps, an open refit bracket) it
+reads from the fleet's durable record (:mod:`rollout_service.fleet.ledger`), which every incarnation
+keeps up to date (``_persist``).
 """
 
 from __future__ import annotations
@@ -35,19 +38,35 @@ class Adoption:
                 await self._adopt()  # raises: the next call tries again (never a second set of engines)
                 self._adopted = True
 
+    async def _recover_soon(self) -> None:
+        """A restarted incarnation adopts at once (the Serve apps it served may be gone, so no call
+        need ever come), retrying with a growing pause while that fails; calls run it too."""
+        pause = 0.5
+        while not self._adopted:
+            try:
+                await self._recover()
+            except Exception as exc:
+                logger.warning("fleet restarted: adoption failed, retrying in %.1fs: %s", pause, short_error(exc))
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 30.0)
+
     async def _adopt(self) -> None:
         """Take over the live engines of the previous incarnation, found by name: their slot,
-        generation, processes, data channel, config and weight version; the version most of them
-        hold is the current one (a refit commits on every engine before the fleet hears of it, and a
-        controller that died mid-refit rolls its engines back: rollout_service.refit.controller).
-        Engines on another version are STALE (reloaded by the monitor); slots without a live engine
-        start one. The epoch jumps, so every router takes the new view at once."""
+        generation, processes, data channel, config and weight version. The current version is the
+        one the durable record says was last committed (engine labels alone cannot tell a committed
+        version from one a refit labelled but never committed); without a record, the one most
+        engines are labelled with. Engines on another version are STALE (not serving; brought back by
+        the restarted refit controller's recovery or reloaded by the monitor); slots without a live
+        engine start one. A refit bracket the record says is open is kept until it ends or its lease
+        runs out; the Serve apps it names are watched again. The epoch jumps, so every router takes
+        the new view at once."""
         from rollout_service.fleet.placement import adopt_engine_placement
 
         t0 = time.perf_counter()
         found = _named_engines(self._name)
         if not found and not self._reconstructed:
             return  # a first fleet
+        record = await self.ledger.read()
         timeout = self.health.policy.probe_timeout_s
         adopted: dict[int, tuple[int, Any, dict, Any, dict]] = {}
         for slot, generations in found.items():
@@ -77,11 +96,17 @@ class Adoption:
             engine_config = next(iter(adopted.values()))[4]["config"]
             self.config = self.config.model_copy(update={"engine": type(self.config.engine).model_validate(engine_config)})
             self._reset_slots()
-            versions = Counter(a[4]["weight_version"] for a in adopted.values())
-            current = versions.most_common(1)[0][0]
-            self.health.current_version = current
-            self.weights = WeightsRecord(version=current,
-                                         path=self.config.engine.resolved_model() if current == BASE_VERSION else None)
+        labels = Counter(a[4]["weight_version"] for a in adopted.values())
+        current, path, self._version_source = _current_version(record, labels, self.config.engine.resolved_model())
+        self.health.current_version = current
+        self.weights = WeightsRecord(version=current, path=path)
+        if record:
+            self._last_refit, self._refits = record.get("last_refit"), record.get("refits") or self._refits
+            self._apps |= set(record.get("apps") or [])
+            lease_left = ((record.get("refit") or {}).get("lease_until") or 0) - time.time()
+            if record.get("refit") and adopted and lease_left > 0:
+                self.health.begin_refit()  # the refit goes on (or its controller's recovery ends it)
+                self._refit_deadline = time.monotonic() + lease_left
         self.health.epoch = int(time.time())  # distinct from every epoch of the previous incarnation
         for slot, (generation, actor, processes, channel, info) in adopted.items():
             s = self.slots[slot]
@@ -104,10 +129,47 @@ class Adoption:
                 if i not in adopted:
                     self._launch(i, self.health.slots[i].generation)
             self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
-        logger.warning("fleet restarted (incarnation %s): adopted %d engine(s) of %d in %.2fs, serving version %s",
-                       self.incarnation, len(adopted), len(self.slots), time.perf_counter() - t0,
-                       self.health.current_version)
+            if (not self.health.refitting and self.weights.path is None and self.config.fleet.keep_weights_copy):
+                self._start_export()  # the kept copy was owned by the dead incarnation
+        self._watch_apps_started()
+        logger.warning("fleet restarted (incarnation %s): adopted %d engine(s) of %d in %.2fs, serving version %s "
+                       "(from the %s)%s", self.incarnation, len(adopted), len(self.slots), time.perf_counter() - t0,
+                       self.health.current_version, self._version_source,
+                       "; a refit bracket is open" if self.health.refitting else "")
+        await self._persist()
         await self._publish(-1)
+
+    def _ledger_record(self) -> dict[str, Any]:
+        refit = None
+        if self.health.refitting:
+            left = self._refit_deadline - time.monotonic()
+            refit = {"lease_until": time.time() + left if left != float("inf") else None}
+        w = self.weights
+        return {"version": self.health.current_version,
+                "path": w.path if w.version == self.health.current_version else None,
+                "apps": sorted(self._apps), "refit": refit, "last_refit": self._last_refit,
+                "refits": dict(self._refits), "incarnation": self.incarnation}
+
+    async def _persist(self) -> None:
+        """Write the durable record (see rollout_service.fleet.ledger) after each change to it."""
+        await self.ledger.write(self._ledger_record())
+
+
+def _current_version(record: dict | None, labels: Counter, model_path: str) -> tuple[str, str | None, str]:
+    """(version, checkpoint path, where it came from) for a restarted fleet. The record wins when its
+    weights can still be had: the base model, a checkpoint, an engine labelled with it, or engines
+    in a refit that its controller (or the lease) will end on it. Otherwise a version whose weights
+    died with every engine that held them is not claimed: the labels (or the base model) are."""
+    if record and record.get("version"):
+        version, path = str(record["version"]), record.get("path")
+        if version == BASE_VERSION or path or (labels and (record.get("refit") or labels.get(version))):
+            return version, path or (model_path if version == BASE_VERSION else None), "ledger"
+        logger.error("the committed version %s is held by no live engine and no checkpoint: it is lost; serving %s "
+                     "until the next refit", version, labels.most_common(1)[0][0] if labels else BASE_VERSION)
+    if labels:
+        version = labels.most_common(1)[0][0]
+        return version, model_path if version == BASE_VERSION else None, "labels"
+    return BASE_VERSION, model_path, "base model"
 
 
 def engine_name(fleet: str | None, slot: int, generation: int) -> str | None:

@@ -37,6 +37,7 @@ from rollout_service.fleet.types import FleetView, Member, actor_identity, is_ac
 from rollout_service.fleet.adoption import Adoption, engine_name, placement_name
 from rollout_service.fleet.current_weights import CurrentWeights, WeightsRecord, short_error
 from rollout_service.fleet.types import BASE_VERSION, FLEET_NAMESPACE
+from rollout_service.fleet.ledger import FleetLedger
 from rollout_service.fleet.lifecycle import kill_processes, wait_until_apps_gone
 from rollout_service.fleet.health import SERVING, EngineState, FleetHealth, HealthPolicy
 from rollout_service.metrics import get_metrics
@@ -85,6 +86,10 @@ class EngineFleet(CurrentWeights, Adoption):
         self._pin_moves = 0  # rollouts the data plane moved off a live engine (routing.policy)
         self._adopted_count: int | None = None  # engines a restarted incarnation took over (None: a first one)
         self._last_drain: dict | None = None  # the last drain of a restart on a new engine config
+        self.ledger = FleetLedger(self._name, self.config.fleet.ledger_timeout_s)
+        self._version_source: str | None = None  # how a restarted incarnation knew the current version
+        if self._reconstructed:  # restarted by Ray: adopt now, not at the first call (none may come)
+            self._recovering = asyncio.get_running_loop().create_task(self._recover_soon())
 
     def _init_state(self) -> None:
         self._reset_slots()
@@ -121,6 +126,7 @@ class EngineFleet(CurrentWeights, Adoption):
                 self._first_starts = [s.task for s in self.slots]
                 self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
                 self._t0 = t0
+                await self._persist()
         if wait:
             await asyncio.gather(*self._first_starts, return_exceptions=True)
             if self._startup_s is None:
@@ -163,8 +169,13 @@ class EngineFleet(CurrentWeights, Adoption):
     async def attach_app(self, app_name: str) -> None:
         """A Serve application uses this fleet: when every attached app is deleted, the fleet stops."""
         await self._recover()
-        self._apps.add(app_name)
-        if self._watch_task is None:
+        if app_name not in self._apps:
+            self._apps.add(app_name)
+            await self._persist()
+        self._watch_apps_started()
+
+    def _watch_apps_started(self) -> None:
+        if self._watch_task is None and self._apps:
             self._watch_task = asyncio.get_running_loop().create_task(self._watch_apps())
 
     def add_dependent(self, actor) -> None:
@@ -178,6 +189,7 @@ class EngineFleet(CurrentWeights, Adoption):
         async with self._start_lock:
             await self._stop_engines()
             self._init_state()
+            await self._persist()
 
     async def _stop_engines(self, drain: bool = False) -> None:
         """Stop every engine. ``drain`` (a restart on a new engine config): they leave the serving set
@@ -271,6 +283,14 @@ class EngineFleet(CurrentWeights, Adoption):
                     pass
         return self._view()
 
+    async def loaded_members(self) -> tuple[Member, ...]:
+        """Every live engine that finished loading, serving or not (STALE: on a version other than the
+        current one): a restarted refit controller brings all of them back to one version."""
+        await self._recover()
+        states = (*SERVING, EngineState.STALE)
+        return tuple(Member(i, self.slots[i].generation, self.slots[i].actor, self.slots[i].load, self.slots[i].channel)
+                     for i in self.health.in_state(*states) if self.slots[i].actor is not None)
+
     async def _publish(self, epoch_before: int) -> None:
         self._record_metrics()
         if self.health.epoch != epoch_before:
@@ -351,6 +371,7 @@ class EngineFleet(CurrentWeights, Adoption):
         exporting = self.weights.exporting
         if exporting is not None and not exporting.done():
             exporting.cancel()  # an export must not race the refit's load
+        await self._persist()  # a restarted fleet keeps the bracket (and so does not resume a paused load)
         return self._view()
 
     async def end_refit(self, version: str | None = None, path: str | None = None) -> FleetView:
@@ -363,6 +384,7 @@ class EngineFleet(CurrentWeights, Adoption):
         if self.health.refitting:
             self._record_refit_end(version)
         self.health.end_refit(version)
+        await self._persist()  # the committed version, read back by a restarted fleet
         if self.weights.path is None and self.weights.ref is None and self.config.fleet.keep_weights_copy:
             self._start_export()
         await self._publish(before)
@@ -404,6 +426,8 @@ class EngineFleet(CurrentWeights, Adoption):
             "incarnation": self.incarnation,
             "adopted": self._adopted_count,
             "last_drain": dict(self._last_drain) if self._last_drain else None,
+            "ledger": self.ledger.status(),
+            "version_source": self._version_source,
         }
 
     def count_pin_move(self) -> None:
@@ -574,6 +598,7 @@ class EngineFleet(CurrentWeights, Adoption):
         await wait_until_apps_gone(lambda: self._apps, self.config.fleet.app_watch_interval_s)
         logger.warning("Serve app(s) %s deleted: stopping the engine fleet", sorted(self._apps))
         await self.shutdown()
+        await self.ledger.clear()
         for actor in self._dependents:
             try:
                 ray.kill(actor, no_restart=True)

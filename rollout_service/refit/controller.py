@@ -64,6 +64,8 @@ class RefitController(NcclRounds, RestartRecovery):
         _, self._reconstructed = actor_identity()
         self._recover_lock = asyncio.Lock()
         self.recovered: dict[str, Any] | None = None  # what that found and did (stats)
+        if self._reconstructed:
+            self._recover_at_once()
 
     @property
     def fleet(self):

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.fleet.types import Member
+from rollout_service.fleet.types import Member, is_actor_dead
 from rollout_service.refit.types import short_error
 
 logger = logging.getLogger("rollout_service.refit.controller")
@@ -20,6 +20,27 @@ logger = logging.getLogger("rollout_service.refit.controller")
 
 class RestartRecovery:
     config: RolloutServiceConfig
+
+    def _recover_at_once(self) -> None:
+        """Called by a restarted incarnation's constructor (in the actor's event loop): end the
+        abandoned refit now, not at the first call, so engines a dead refit left paused serve again
+        within seconds. Retried with a growing pause while the fleet cannot be reached; the first
+        call still runs it (and waits for it) if it has not succeeded by then."""
+
+        async def run() -> None:
+            pause = 0.5
+            while self._reconstructed:
+                try:
+                    await self._after_restart()
+                except Exception as exc:
+                    if is_actor_dead(exc):
+                        self._fleet = None  # killed for good: looked up (or created) by name again
+                    logger.warning("refit controller restarted: recovery failed, retrying in %.1fs: %s", pause,
+                                   short_error(exc))
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, self.config.refit.step_timeout_s)
+
+        self._recovery_task = asyncio.get_running_loop().create_task(run())
 
     async def _after_restart(self) -> None:
         if not self._reconstructed:
@@ -43,12 +64,14 @@ class RestartRecovery:
         - the NCCL path loads in place with nothing staged: every engine goes back to its last
           committed weights (``rs_nccl_abort``), as when a round's lease runs out;
         - every engine is resumed (idempotent) and the fleet's refit bracket ended.
+        Every loaded engine is looked at, serving or not: a restarted fleet keeps engines labelled with
+        a version it never recorded out of the serving set (STALE) until this brings them back.
         The trainer's refit call failed with the controller's death; it may retry."""
         timeout = self.config.refit.step_timeout_s
         stats = await asyncio.wait_for(self.fleet.stats.remote(), timeout)
-        view = await asyncio.wait_for(self.fleet.view.remote(), timeout)
+        members = await asyncio.wait_for(self.fleet.loaded_members.remote(), timeout)
         current = stats["weight_version"]
-        healths = await asyncio.gather(*[asyncio.wait_for(m.handle.health.remote(), timeout) for m in view.members],
+        healths = await asyncio.gather(*[asyncio.wait_for(m.handle.health.remote(), timeout) for m in members],
                                        return_exceptions=True)
         left = stats.get("refitting") or any(
             isinstance(h, BaseException) or h.get("paused") or h.get("weight_version") != current for h in healths)
@@ -56,7 +79,7 @@ class RestartRecovery:
             self.weight_version = current
             if current not in self._version_history:
                 self._version_history.append(current)
-            return {"version": current, "engines": len(view.members), "rolled_back": 0, "relabelled": 0,
+            return {"version": current, "engines": len(members), "rolled_back": 0, "relabelled": 0,
                     "replaced": 0, "rolled_forward": None}
         nccl = self.config.refit.backend == "nccl"
 
@@ -69,11 +92,11 @@ class RestartRecovery:
             return (bool(nccl or any(r.get("reloaded") for r in rolled if r)),
                     await asyncio.wait_for(e.weight_version.remote(), timeout))
 
-        results = await asyncio.gather(*[one(m) for m in view.members], return_exceptions=True)
-        done: dict[str, Any] = {"version": current, "engines": len(view.members), "rolled_back": 0,
+        results = await asyncio.gather(*[one(m) for m in members], return_exceptions=True)
+        done: dict[str, Any] = {"version": current, "engines": len(members), "rolled_back": 0,
                                 "relabelled": 0, "replaced": 0, "rolled_forward": None}
-        alive = [(m, r) for m, r in zip(view.members, results) if not isinstance(r, BaseException)]
-        for m, r in zip(view.members, results):
+        alive = [(m, r) for m, r in zip(members, results) if not isinstance(r, BaseException)]
+        for m, r in zip(members, results):
             if isinstance(r, BaseException):  # dead or broken: the fleet replaces it on the current version
                 await self.fleet.mark_dead.remote(m.slot, m.generation, f"after a controller restart: {short_error(r)}")
                 done["replaced"] += 1
