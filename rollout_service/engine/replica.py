@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 
 from rollout_service.config import EngineConfig
 from rollout_service.engine.channel import ChannelServer
+from rollout_service.engine.refit_steps import RefitSteps
 from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk, spans_up_to
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION_CLS = "rollout_service.weights.worker_extension.RolloutWorkerExtension"
 
 
-class EngineReplica:
+class EngineReplica(RefitSteps):
     """Wraps one ``AsyncLLM``. Use :func:`create_engine_actor` to run it as a Ray actor."""
 
     def __init__(self, config: EngineConfig, index: int = 0, initial_weight_version: str = "0"):

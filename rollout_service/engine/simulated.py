@@ -44,6 +44,7 @@ from typing import Any, AsyncIterator
 from rollout_service.config import EngineConfig
 from rollout_service.engine.batching import batched
 from rollout_service.engine.channel import ChannelServer
+from rollout_service.engine.refit_steps import RefitSteps
 from rollout_service.engine.sampling import SamplingParamsError
 from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk, spans_up_to
 
@@ -239,7 +240,7 @@ class _Seq:
         return len(self.request.prompt_ids) + len(self.generated)
 
 
-class SimulatedEngine:
+class SimulatedEngine(RefitSteps):
     """The engine actor's public interface (see :class:`~rollout_service.engine.replica.EngineReplica`)
     over the timing model above. Run it with ``create_engine_actor`` and ``engine.backend: simulated``."""
 

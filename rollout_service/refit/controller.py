@@ -28,8 +28,10 @@ from rollout_service.config import RolloutServiceConfig
 from rollout_service.fleet.types import FleetView, Member, actor_identity, is_actor_dead, is_engine_death
 from rollout_service.weights.collective import ABORT_MESSAGE
 from rollout_service.metrics import get_metrics
+from rollout_service.engine.refit_steps import STEPS as APPLY_STEPS
 from rollout_service.refit.nccl import NcclRounds
 from rollout_service.refit.recovery import RestartRecovery
+from rollout_service.refit.transports import bytes_of
 from rollout_service.refit.types import (
     MEMBERSHIP_CHANGED,
     RefitFailed,
@@ -42,6 +44,10 @@ from rollout_service.refit.types import (
 logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "rollout-service-refit"
+
+
+class _StepFailed(Exception):
+    """An engine's apply call named the step that failed and why (the message is the report's error)."""
 CONTROLLER_NAMESPACE = "rollout-service"
 
 
@@ -322,120 +328,164 @@ class RefitController(NcclRounds, RestartRecovery):
 
     async def _refit_locked(self, version, transfer, clear_cache, timeout, fail_load_after_tensors,
                             view: FleetView) -> RefitReport:
+        """Three fan-outs, one engine call each (rollout_service.engine.refit_steps): pause (with the
+        counts), apply (stage, load, label), commit + resume. No engine resumes before every engine
+        is loaded and labelled; from there the refit rolls forward."""
         engines = view.handles()
         previous = self.weight_version
         report = RefitReport(
             version=version, previous_version=previous, transport=getattr(transfer, "kind", "?"), clear_cache=clear_cache,
             engines=[m.slot for m in view.members],
         )
-        aborted_before = await self._sum(engines, "num_aborted", timeout)
         step = "pause"
-        load_attempted = False
-        labelled = False
+        applying = False
+        reached: dict[int, str | None] = {}  # slot -> the last apply step it finished (absent: unknown)
         paused: list[Any] = []
-        label_s = 0.0
+        resumed: set[int] = set()  # id() of the handles the commit phase resumed
+        aborted_before: dict[int, int] = {}  # id(handle) -> its aborted count before the refit
+        aborted_after: int | None = None
         t_start = time.perf_counter()
         try:
-            report.requests_in_flight = await self._sum(engines, "num_in_flight", timeout)
-
             async def pause(e):
                 # Recorded before the call: a pause that times out or fails half-way may still land,
                 # and every engine asked to pause is resumed on the way out (resume is idempotent).
                 paused.append(e)
-                await e.pause.remote(mode="keep", clear_cache=clear_cache)
+                counts = await e.refit_pause.remote(clear_cache)
+                aborted_before[id(e)] = counts["aborted"]
+                return counts
 
             t0 = time.perf_counter()
-            await asyncio.wait_for(asyncio.gather(*[pause(e) for e in engines]), timeout)
+            counts = await asyncio.wait_for(asyncio.gather(*[pause(e) for e in engines]), timeout)
             report.pause_s = time.perf_counter() - t0
+            report.requests_in_flight = sum(c["in_flight"] for c in counts)
 
-            step = "transfer"
-            t0 = time.perf_counter()
-            report.bytes, report.worker_receive_s = await transfer.stage(engines, timeout)
-            report.transfer_s = time.perf_counter() - t0
-
-            step = "load"
-            load_attempted = True
+            step, applying = "transfer", True
             t0 = time.perf_counter()
             kwargs = {"fail_after_tensors": fail_load_after_tensors} if fail_load_after_tensors is not None else None
-            loads = await asyncio.wait_for(
-                asyncio.gather(
-                    *[e.collective_rpc.remote("rs_load_staged", kwargs=kwargs, timeout=timeout) for e in engines]
-                ),
-                timeout,
-            )
-            report.load_s = time.perf_counter() - t0
-            report.worker_timings = [w for per_engine in loads for w in per_engine]
-
-            step = "label"
-            t0 = time.perf_counter()
-            labelled = True
-            await asyncio.wait_for(asyncio.gather(*[e.set_weight_version.remote(version) for e in engines]), timeout)
+            stage = transfer.engine_stage()
+            applied = await asyncio.gather(
+                *[asyncio.wait_for(e.refit_apply.remote(stage, version, kwargs, timeout), len(APPLY_STEPS) * timeout)
+                  for e in engines],
+                return_exceptions=True)
+            apply_s = time.perf_counter() - t0
+            done = [a for a in applied if not isinstance(a, BaseException)]
+            for m, a in zip(view.members, applied):
+                if not isinstance(a, BaseException):
+                    reached[m.slot] = a["reached"]
+            report.bytes, report.worker_receive_s = bytes_of([a["stage"] for a in done])
+            report.worker_timings = [w for a in done for w in a["load"] if w]
+            report.transfer_s = max((a["seconds"].get("transfer", 0.0) for a in done), default=0.0)
+            report.load_s = max((a["seconds"].get("load", 0.0) for a in done), default=0.0)
+            label_s = max(0.0, apply_s - report.transfer_s - report.load_s)
+            failed = [a for a in applied if isinstance(a, BaseException) or not a["ok"]]
+            if failed:
+                first = min(failed, key=lambda a: 0 if isinstance(a, BaseException) else APPLY_STEPS.index(a["step"]))
+                if isinstance(first, BaseException):
+                    raise first
+                step = first["step"]
+                raise _StepFailed(first["error"])
             # Every engine holds the new weights under the new label: from here the refit rolls
             # forward. A commit only releases the backup; one that fails is reported, not undone.
             step = "commit"
-            await self._commit(view, timeout, report)
+            aborted_after = await self._commit_and_resume(view, timeout, report, resumed)
+            report.resume_s += label_s
             self.weight_version = version
             self._version_history.append(version)
-            label_s = time.perf_counter() - t0
             report.ok = True
         except BaseException as exc:  # noqa: BLE001 - every failure must end in a consistent, resumed state
             report.failed_step = step
-            report.error = short_error(exc)
+            report.error = str(exc) if isinstance(exc, _StepFailed) else short_error(exc)
             logger.warning("refit to %s failed at %s: %s", version, step, report.error)
-            report.rolled_back = await self._recover(view, previous, load_attempted, labelled, timeout, report)
+
+            def undo(slot: int) -> tuple[bool, bool]:
+                """(roll the load back, restore the label) for one engine, from how far it got."""
+                if not applying:
+                    return False, False
+                if slot not in reached:  # its call raised (died, timed out): assume the worst
+                    return True, True
+                return reached[slot] is not None, reached[slot] in ("load", "label")
+
+            report.rolled_back = await self._recover(view, previous, undo, timeout, report)
         finally:
-            await self._resume(paused, timeout, report)
-            report.resume_s += label_s
+            left = [e for e in paused if id(e) not in resumed]
+            if left:
+                await self._resume(left, timeout, report)
             report.total_s = time.perf_counter() - t_start
-        report.requests_aborted = max(0, await self._sum(engines, "num_aborted", timeout) - aborted_before)
+        if aborted_after is None:  # a failure path: counted again on the engines counted before
+            aborted_after = await self._sum([e for e in engines if id(e) in aborted_before], "num_aborted", timeout)
+        report.requests_aborted = max(0, aborted_after - sum(aborted_before.values()))
         if report.engines_lost:
             lost = ", ".join(map(str, report.engines_lost))
             report.error = "; ".join(filter(None, [f"engine slot(s) {lost} died during the refit (the fleet replaces them)",
                                                    report.error]))
         return report
 
-    async def _commit(self, view: FleetView, timeout, report) -> None:
-        """Release every engine's backup of the previous weights. Past the point of no return: an
-        engine whose commit fails still serves the new weights under the new label (its stale backup
-        is released by its next load); one that died is replaced by the fleet on the new version."""
+    async def _commit_and_resume(self, view: FleetView, timeout, report, resumed: set[int]) -> int | None:
+        """Release every engine's backup of the previous weights and resume it (one call each). Past
+        the point of no return: an engine whose commit fails still serves the new weights under the
+        new label (its stale backup is released by its next load); one that died is replaced by the
+        fleet on the new version; one whose resume fails is resumed by the fleet
+        (``fleet.resume_unbracketed_pause_s``). Returns the aborted count after, if every engine
+        answered."""
+        t0 = time.perf_counter()
         results = await asyncio.gather(
-            *[asyncio.wait_for(m.handle.collective_rpc.remote("rs_commit", timeout=timeout), timeout)
-              for m in view.members],
+            *[asyncio.wait_for(m.handle.refit_commit_resume.remote(timeout), 2 * timeout) for m in view.members],
             return_exceptions=True)
-        failed = []
+        report.resume_s = time.perf_counter() - t0
+        commit_errors, resume_errors = [], []
+        aborted = 0
         for m, r in zip(view.members, results):
-            if not isinstance(r, BaseException):
+            if isinstance(r, BaseException):
+                if is_engine_death(r):
+                    report.engines_lost.append(m.slot)
+                    try:  # the refit is committed whatever the fleet answers; its monitor finds the engine anyway
+                        await self.fleet.report_failure.remote(m.slot, m.generation,
+                                                               f"{type(r).__name__}: during a refit", is_actor_dead(r))
+                    except Exception:
+                        pass
+                else:  # stalled: neither its commit nor its resume is known; the fleet's probes decide
+                    report.commit_failed.append(m.slot)
+                    commit_errors.append(f"engine slot {m.slot}: {short_error(r)}")
+                resumed.add(id(m.handle))  # a second resume of a dead or stalled engine would only wait
+                aborted = None
                 continue
-            if is_engine_death(r):
-                report.engines_lost.append(m.slot)
-                try:  # the refit is committed whatever the fleet answers; its monitor finds the engine anyway
-                    await self.fleet.report_failure.remote(m.slot, m.generation, f"{type(r).__name__}: during a refit",
-                                                           is_actor_dead(r))
-                except Exception:
-                    pass
-            else:
+            resumed.add(id(m.handle))
+            if aborted is not None:
+                aborted += r["aborted"]
+            if r["commit_error"]:
                 report.commit_failed.append(m.slot)
-                failed.append(f"engine slot {m.slot}: {short_error(r)}")
-        if failed:
-            report.error = "commit failed (rolled forward: every engine holds the new weights): " + "; ".join(failed)
+                commit_errors.append(f"engine slot {m.slot}: {r['commit_error']}")
+            if r["resume_error"]:
+                resume_errors.append(f"engine slot {m.slot}: {r['resume_error']}")
+        if commit_errors:
+            report.error = "commit failed (rolled forward: every engine holds the new weights): " + "; ".join(commit_errors)
             logger.warning("refit to %s: %s", report.version, report.error)
+        if resume_errors:
+            # Not a reason to undo anything: a committed refit stays committed.
+            report.error = (report.error + "; " if report.error else "") + (
+                "resume failed (the fleet resumes the engine): " + "; ".join(resume_errors))[:600]
+        return aborted
 
-    async def _recover(self, view: FleetView, previous, load_attempted, labelled, timeout, report) -> bool:
-        """Back to the previous weights and label on every surviving engine. An engine that died
-        needs nothing (its replacement loads the fleet's current version); one that is alive but
-        cannot be restored must not serve a half-loaded model: it is handed to the fleet to be
-        killed and replaced (its in-flight calls fail over), never left paused."""
+    async def _recover(self, view: FleetView, previous, undo, timeout, report) -> bool:
+        """Back to the previous weights and label on every surviving engine, as far as each got
+        (``undo(slot)``: roll the load back, restore the label). An engine that died needs nothing
+        (its replacement loads the fleet's current version); one that is alive but cannot be
+        restored must not serve a half-loaded model: it is handed to the fleet to be killed and
+        replaced (its in-flight calls fail over), never left paused."""
         broken: list[str] = []
         unrestorable: list[Member] = []
+        rolled: list[bool] = []
 
         async def one(m: Member):
             e = m.handle
+            rollback, relabel = undo(m.slot)
             try:
-                if load_attempted:
+                if rollback:
                     await asyncio.wait_for(e.collective_rpc.remote("rs_rollback", timeout=timeout), timeout)
+                    rolled.append(True)
                 else:
                     await asyncio.wait_for(e.collective_rpc.remote("rs_discard_staged", timeout=timeout), timeout)
-                if labelled:
+                if relabel:
                     await asyncio.wait_for(e.set_weight_version.remote(previous), timeout)
             except Exception as exc:
                 if is_engine_death(exc):
@@ -452,7 +502,7 @@ class RefitController(NcclRounds, RestartRecovery):
         self._unrestorable = [m.handle for m in unrestorable]
         if broken:
             report.error = f"{report.error}; rollback failed, replaced by the fleet: {'; '.join(broken)}"
-        return load_attempted and not broken
+        return bool(rolled) and not broken
 
     async def _resume(self, paused, timeout, report) -> None:
         keep_paused = set(map(id, getattr(self, "_unrestorable", [])))
@@ -468,7 +518,7 @@ class RefitController(NcclRounds, RestartRecovery):
             # engine left paused outside a refit after fleet.resume_unbracketed_pause_s).
             report.error = (report.error + "; " if report.error else "") + (
                 "resume failed (the fleet resumes the engine): " + "; ".join(errors))[:600]
-        report.resume_s = time.perf_counter() - t0
+        report.resume_s += time.perf_counter() - t0
 
     @staticmethod
     async def _sum(engines, method: str, timeout: float) -> int:

@@ -2,7 +2,9 @@
 
 A transport only *stages* the new state dict inside every worker (nothing is loaded yet); the
 controller then loads, commits or rolls back the same way whatever the transport. Each strategy is
-a small picklable object the trainer-side client builds and the controller runs (``stage``).
+a small picklable object the trainer-side client builds; it names what every engine calls to stage
+it (``engine_stage``), which the engine runs as the first step of its one apply call
+(:mod:`rollout_service.engine.refit_steps`).
 
 - :class:`CollectiveTransfer` — the trainer (rank 0) broadcasts buckets over the dedicated gloo
   group set up by ``init_weight_sync``; every worker receives them itself (``rs_stage_collective``).
@@ -19,25 +21,23 @@ a small picklable object the trainer-side client builds and the controller runs 
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 # Dedicated to our worker-extension methods (rollout_service.weights.worker_extension).
 STAGE_COLLECTIVE = "rs_stage_collective"
 STAGE_PATH = "rs_stage_path"
 
 
-async def _fan_out(calls, timeout_s: float) -> list[Any]:
-    return list(await asyncio.wait_for(asyncio.gather(*calls), timeout=timeout_s))
-
-
-def _bytes_of(results: list[list[dict[str, Any]]]) -> tuple[int, float]:
+def bytes_of(results: list[list[dict[str, Any]]]) -> tuple[int, float]:
     """Bytes staged per engine (every engine receives the full state dict) and the slowest worker's
-    own receive seconds (the rest of the transfer step is RPC and hand-off latency)."""
-    workers = [w for per_engine in results for w in per_engine]
+    own receive seconds (the rest of the transfer step is RPC and hand-off latency), from each
+    engine's stage results (one dict per worker)."""
+    workers = [w for per_engine in results for w in per_engine if w]
     return max((w["bytes"] for w in workers), default=0), max((w["seconds"] for w in workers), default=0.0)
 
+
+# Each transfer names what every engine does to stage it (``RefitSteps.refit_apply``'s ``stage``).
 
 @dataclass
 class CollectiveTransfer:
@@ -45,9 +45,8 @@ class CollectiveTransfer:
     total_bytes: int
     kind: str = "collective"
 
-    async def stage(self, engines: Sequence[Any], timeout_s: float) -> tuple[int, float]:
-        calls = [e.collective_rpc.remote(STAGE_COLLECTIVE, args=(self.plan_json,), timeout=timeout_s) for e in engines]
-        return _bytes_of(await _fan_out(calls, timeout_s))
+    def engine_stage(self) -> dict[str, Any]:
+        return {"rpc": STAGE_COLLECTIVE, "args": [self.plan_json]}
 
 
 @dataclass
@@ -55,9 +54,8 @@ class ObjectStoreTransfer:
     refs: list  # [ObjectRef of {name: tensor}]; wrapped in a list so Ray does not resolve it on the way
     kind: str = "object_store"
 
-    async def stage(self, engines: Sequence[Any], timeout_s: float) -> tuple[int, float]:
-        calls = [e.stage_weights_from_object_store.remote(self.refs, timeout_s) for e in engines]
-        return _bytes_of(await _fan_out(calls, timeout_s))
+    def engine_stage(self) -> dict[str, Any]:
+        return {"refs": self.refs}
 
 
 @dataclass
@@ -65,9 +63,8 @@ class CheckpointPathTransfer:
     path: str
     kind: str = "path"
 
-    async def stage(self, engines: Sequence[Any], timeout_s: float) -> tuple[int, float]:
-        calls = [e.collective_rpc.remote(STAGE_PATH, args=(self.path,), timeout=timeout_s) for e in engines]
-        return _bytes_of(await _fan_out(calls, timeout_s))
+    def engine_stage(self) -> dict[str, Any]:
+        return {"rpc": STAGE_PATH, "args": [self.path]}
 
 
 class ControllerWeightSyncClient:

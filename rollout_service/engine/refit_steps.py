@@ -1,0 +1,87 @@
+"""A refit's engine side in three calls, one per phase, instead of one call per step.
+
+The refit controller fans out to every engine once per phase: ``refit_pause`` (the in-flight and
+aborted counts, then pause in keep mode), ``refit_apply`` (stage, load, label: each with its own
+deadline, stopped at the first step that fails, which it names), ``refit_commit_resume`` (release
+the backup, then resume; the aborted count after). Each phase is what the step-by-step calls did,
+in the same order on this engine and through the same methods (so a fault injected into one of
+them lands in the same place); what changes is the number of Ray calls per refit, which is what a
+refit's stall grows with on a fleet of many engines (docs/scale.md). The step-by-step methods stay:
+a replacement's load, the NCCL round and a restarted controller's recovery use them.
+
+A mixin of both engine actors (:class:`~rollout_service.engine.replica.EngineReplica` and
+:class:`~rollout_service.engine.simulated.SimulatedEngine`), whose ``pause``, ``resume``,
+``collective_rpc``, ``stage_weights_from_object_store``, ``set_weight_version``, ``num_in_flight``
+and ``num_aborted`` it calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+STEPS = ("transfer", "load", "label")  # refit_apply's steps, in order (the names a refit report uses)
+
+
+def step_error(exc: BaseException) -> str:
+    """One line naming the error (a step's deadline: ``TimeoutError: step timed out``)."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(exc, asyncio.TimeoutError) or isinstance(cause, asyncio.TimeoutError):
+        return "TimeoutError: step timed out"
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"[:500]
+
+
+class RefitSteps:
+    async def refit_pause(self, clear_cache: bool = False) -> dict[str, Any]:
+        """The counts a refit report carries (taken before the pause), then pause in keep mode."""
+        in_flight, aborted = self.num_in_flight(), self.num_aborted()
+        seconds = await self.pause(mode="keep", clear_cache=clear_cache)
+        return {"in_flight": in_flight, "aborted": aborted, "seconds": seconds}
+
+    async def refit_apply(self, stage: dict[str, Any], version: str, load_kwargs: dict | None,
+                          timeout: float) -> dict[str, Any]:
+        """Stage the new weights (``stage``: ``{"rpc": worker method, "args": [...]}`` or
+        ``{"refs": [state dict ref]}``), load them, label them ``version``. Returns ``ok``, the
+        step reached (``reached``: the last that finished, None if none), on failure the step and
+        its error, the stage's and the load's worker results, and each step's seconds. A step's
+        failure is returned, not raised: the controller rolls back exactly what each engine did."""
+        out: dict[str, Any] = {"ok": False, "reached": None, "step": None, "error": None, "stage": [], "load": [],
+                               "seconds": {}}
+        step = STEPS[0]
+        try:
+            t0 = time.perf_counter()
+            if "refs" in stage:
+                out["stage"] = await self.stage_weights_from_object_store(list(stage["refs"]), timeout)
+            else:
+                out["stage"] = await self.collective_rpc(stage["rpc"], args=tuple(stage.get("args") or ()),
+                                                         timeout=timeout)
+            out["seconds"]["transfer"], out["reached"], step = time.perf_counter() - t0, "transfer", "load"
+            t0 = time.perf_counter()
+            out["load"] = await self.collective_rpc("rs_load_staged", kwargs=load_kwargs, timeout=timeout)
+            out["seconds"]["load"], out["reached"], step = time.perf_counter() - t0, "load", "label"
+            t0 = time.perf_counter()
+            await asyncio.wait_for(self.set_weight_version(version), timeout)
+            out["seconds"]["label"], out["reached"] = time.perf_counter() - t0, "label"
+            out["ok"] = True
+        except Exception as exc:  # noqa: BLE001 - named and returned: the controller's failure path decides
+            out["step"], out["error"] = step, step_error(exc)
+        return out
+
+    async def refit_commit_resume(self, timeout: float) -> dict[str, Any]:
+        """Release the previous weights' backup, then resume (always, also after a failed commit:
+        past the label a refit rolls forward). Returns the errors of either and the aborted count."""
+        out: dict[str, Any] = {"commit_error": None, "resume_error": None}
+        try:
+            await self.collective_rpc("rs_commit", timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - reported; the engine serves the new weights either way
+            out["commit_error"] = step_error(exc)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(self.resume(), timeout)
+        except Exception as exc:  # noqa: BLE001 - reported; the fleet resumes an engine left paused
+            out["resume_error"] = step_error(exc)
+        out["resume_s"] = time.perf_counter() - t0
+        out["aborted"] = self.num_aborted()
+        return out
