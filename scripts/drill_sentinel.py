@@ -1,5 +1,7 @@
-"""Sentinel failover drill: how many acknowledged turns each ``store.durability`` mode loses when
-the Redis primary is killed (``kill -9``) under load, and what ``replicated`` costs per turn.
+"""Store failover drill: how many acknowledged turns each ``store.durability`` mode loses when
+the Redis primary is killed (``kill -9``) under load, and what ``replicated`` costs per turn; with
+``--topology cluster``, the same on a Redis Cluster (3 primaries, a replica each, the rollouts'
+keys spread over the slots by their hash tags), one primary killed.
 
 Per mode, a fresh primary + 2 replicas + 3 sentinels on 127.0.0.1 (``LocalSentinelGroup``) and
 the store the service uses (``RedisRolloutStore`` through the ``redis+sentinel://`` URL, the
@@ -13,6 +15,10 @@ there is lost.
 
     .venv/bin/python scripts/drill_sentinel.py [--writers 16] [--before 4] [--after 8] [--replica-lag-s 0.5]
         [--modes local,replicated] [--rounds 2]
+    .venv/bin/python scripts/drill_sentinel.py --topology cluster --modes local [--writers 48]
+
+On the cluster, ``--down-after-ms`` is the nodes' ``cluster-node-timeout`` and only ``local`` runs
+(``replicated`` is refused there: WAIT would have to follow each write on its own node's connection).
 
 Everything runs on 127.0.0.1, is bounded in time, and stops every process it started.
 """
@@ -34,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the suite's synthetic rollouts
 from rollout_service.config import StoreConfig  # noqa: E402
 from rollout_service.store import RedisRolloutStore, StoreError, StoreUnavailable  # noqa: E402
+from rollout_service.store.cluster_group import LocalRedisCluster  # noqa: E402
 from rollout_service.store.sentinel_group import LocalSentinelGroup  # noqa: E402
 from synthetic_rollouts import synthetic_delta  # noqa: E402
 
@@ -88,9 +95,39 @@ async def writer(store, rid: str, deltas: Turns, acked: dict, stats: dict, stop:
                 await asyncio.sleep(0.1)
 
 
+class ClusterTopology:
+    """The drill's view of a LocalRedisCluster: the primary it kills is the first one."""
+
+    def __init__(self, directory: str, args):
+        self.cluster = LocalRedisCluster(directory, primaries=3, replicas=1, node_timeout_ms=args.down_after_ms)
+
+    def __enter__(self):
+        self.cluster.__enter__()
+        self.url = self.cluster.url
+        return self
+
+    def __exit__(self, *exc):
+        self.cluster.__exit__(*exc)
+
+    def primary_port(self) -> int:
+        return self.cluster.primaries()[0]
+
+    def primary_pid(self) -> int:
+        return self.cluster.pid_of(self.primary_port())
+
+    @property
+    def replicas(self):
+        primaries = set(self.cluster.primaries())
+        return [n for n in self.cluster.nodes if n.port not in primaries]
+
+    def wait_for_failover(self, old_port: int, timeout: float) -> float:
+        return self.cluster.wait_for_failover(old_port, timeout)
+
+
 async def run_mode(mode: str, args) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"drill-sentinel-{mode}-") as d, \
-            LocalSentinelGroup(d, replicas=2, sentinels=3, down_after_ms=args.down_after_ms) as group:
+    with tempfile.TemporaryDirectory(prefix=f"drill-store-{mode}-") as d, \
+            (ClusterTopology(d, args) if args.topology == "cluster" else
+             LocalSentinelGroup(d, replicas=2, sentinels=3, down_after_ms=args.down_after_ms)) as group:
         config = StoreConfig.model_validate({"redis_url": group.url, "key_prefix": "drill", "durability": mode})
         store = RedisRolloutStore.from_config(config)
         rollouts = {f"{mode}-{i}": Turns(i) for i in range(args.writers)}
@@ -107,6 +144,7 @@ async def run_mode(mode: str, args) -> dict:
                 os.kill(pid, signal.SIGSTOP)
             await asyncio.sleep(args.replica_lag_s)
         acked_at_kill = sum(acked.values())
+        spread = sorted(group.cluster.keys_per_primary().values()) if args.topology == "cluster" else None
         os.kill(group.primary_pid(), signal.SIGKILL)
         killed["at"] = time.monotonic()
         for pid in replicas if args.replica_lag_s > 0 else []:
@@ -127,7 +165,7 @@ async def run_mode(mode: str, args) -> dict:
             lost += max(0, acked.get(rid, 0) - stored)
         await store.close()
         lat = sorted(stats["latency"])
-        return {"mode": mode, "acked": sum(acked.values()), "acked_at_kill": acked_at_kill, "lost": lost,
+        return {"mode": mode, "topology": args.topology, "keys_per_primary": spread, "acked": sum(acked.values()), "acked_at_kill": acked_at_kill, "lost": lost,
                 "failover_s": failover_s, "unavailable": stats["unavailable"],
                 "resolved": stats["resolved_stored"], "errors": len(stats["errors"]),
                 "p50_ms": 1000 * statistics.median(lat) if lat else float("nan"),
@@ -144,6 +182,8 @@ def main() -> None:
     ap.add_argument("--replica-lag-s", type=float, default=0.0,
                     help="stop the replicas (SIGSTOP) this long before the primary is killed: what a lagging "
                     "replica loses on failover")
+    ap.add_argument("--topology", choices=("sentinel", "cluster"), default="sentinel",
+                    help="a primary + 2 replicas + 3 sentinels, or a Redis Cluster of 3 primaries with a replica each")
     ap.add_argument("--modes", default="local,replicated")
     ap.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating")
     args = ap.parse_args()
@@ -153,10 +193,10 @@ def main() -> None:
             rows.append(asyncio.run(run_mode(mode, args)))
             print(rows[-1], flush=True)
     print()
-    print("| durability | turns acked | acked at kill | lost | failover (s) | 503s (resolved as stored) | append p50 / p99 before the kill (ms) | appends/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| topology | durability | turns acked | acked at kill | lost | failover (s) | 503s (resolved as stored) | append p50 / p99 before the kill (ms) | appends/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['mode']} | {r['acked']} | {r['acked_at_kill']} | {r['lost']} | {r['failover_s']:.1f} | "
+        print(f"| {r['topology']}{' ' + str(r['keys_per_primary']) if r['keys_per_primary'] else ''} | {r['mode']} | {r['acked']} | {r['acked_at_kill']} | {r['lost']} | {r['failover_s']:.1f} | "
               f"{r['unavailable']} ({r['resolved']}) | {r['p50_ms']:.2f} / {r['p99_ms']:.2f} | {r['appends_per_s']:.0f} |")
 
 

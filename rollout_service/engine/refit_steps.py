@@ -46,20 +46,23 @@ class RefitSteps:
         ``{"refs": [state dict ref]}``), load them, label them ``version``. Returns ``ok``, the
         step reached (``reached``: the last that finished, None if none), on failure the step and
         its error, the stage's and the load's worker results, and each step's seconds. A step's
-        failure is returned, not raised: the controller rolls back exactly what each engine did."""
+        failure (its deadline ``timeout`` included) is returned, not raised: the controller rolls
+        back exactly what each engine did. An engine that does not answer within the sum of the
+        steps' deadlines is in an unknown state: the controller has the fleet replace it."""
         out: dict[str, Any] = {"ok": False, "reached": None, "step": None, "error": None, "stage": [], "load": [],
                                "seconds": {}}
         step = STEPS[0]
         try:
             t0 = time.perf_counter()
             if "refs" in stage:
-                out["stage"] = await self.stage_weights_from_object_store(list(stage["refs"]), timeout)
+                staging = self.stage_weights_from_object_store(list(stage["refs"]), timeout)
             else:
-                out["stage"] = await self.collective_rpc(stage["rpc"], args=tuple(stage.get("args") or ()),
-                                                         timeout=timeout)
+                staging = self.collective_rpc(stage["rpc"], args=tuple(stage.get("args") or ()), timeout=timeout)
+            out["stage"] = await asyncio.wait_for(staging, timeout)
             out["seconds"]["transfer"], out["reached"], step = time.perf_counter() - t0, "transfer", "load"
             t0 = time.perf_counter()
-            out["load"] = await self.collective_rpc("rs_load_staged", kwargs=load_kwargs, timeout=timeout)
+            out["load"] = await asyncio.wait_for(
+                self.collective_rpc("rs_load_staged", kwargs=load_kwargs, timeout=timeout), timeout)
             out["seconds"]["load"], out["reached"], step = time.perf_counter() - t0, "load", "label"
             t0 = time.perf_counter()
             await asyncio.wait_for(self.set_weight_version(version), timeout)

@@ -97,16 +97,23 @@ class Adoption:
             self.config = self.config.model_copy(update={"engine": type(self.config.engine).model_validate(engine_config)})
             self._reset_slots()
         labels = Counter(a[4]["weight_version"] for a in adopted.values())
-        current, path, self._version_source = _current_version(record, labels, self.config.engine.resolved_model())
+        bracket = (record or {}).get("refit")
+        lease_left = 0.0
+        if bracket:
+            until = bracket.get("lease_until")
+            lease_left = float("inf") if until is None else until - time.time()
+        open_bracket = bool(bracket and adopted and lease_left > 0)
+        current, path, self._version_source = _current_version(record, labels, open_bracket,
+                                                                self.config.engine.resolved_model())
         self.health.current_version = current
         self.weights = WeightsRecord(version=current, path=path)
         if record:
             self._last_refit, self._refits = record.get("last_refit"), record.get("refits") or self._refits
             self._apps |= set(record.get("apps") or [])
-            lease_left = ((record.get("refit") or {}).get("lease_until") or 0) - time.time()
-            if record.get("refit") and adopted and lease_left > 0:
-                self.health.begin_refit()  # the refit goes on (or its controller's recovery ends it)
-                self._refit_deadline = time.monotonic() + lease_left
+        if open_bracket:  # the refit goes on (or its controller's recovery ends it)
+            self.health.begin_refit()
+            self._refit_deadline = time.monotonic() + lease_left
+            self._refit_members = [(int(slot), int(gen)) for slot, gen in bracket.get("members") or []]
         self.health.epoch = int(time.time())  # distinct from every epoch of the previous incarnation
         for slot, (generation, actor, processes, channel, info) in adopted.items():
             s = self.slots[slot]
@@ -141,9 +148,10 @@ class Adoption:
 
     def _ledger_record(self) -> dict[str, Any]:
         refit = None
-        if self.health.refitting:
+        if self.health.refitting:  # lease_until None: no lease (a bracket ended only by end_refit)
             left = self._refit_deadline - time.monotonic()
-            refit = {"lease_until": time.time() + left if left != float("inf") else None}
+            refit = {"lease_until": time.time() + left if left != float("inf") else None,
+                     "members": [list(m) for m in self._refit_members]}
         w = self.weights
         return {"version": self.health.current_version,
                 "path": w.path if w.version == self.health.current_version else None,
@@ -155,14 +163,16 @@ class Adoption:
         await self.ledger.write(self._ledger_record())
 
 
-def _current_version(record: dict | None, labels: Counter, model_path: str) -> tuple[str, str | None, str]:
+def _current_version(record: dict | None, labels: Counter, open_bracket: bool,
+                     model_path: str) -> tuple[str, str | None, str]:
     """(version, checkpoint path, where it came from) for a restarted fleet. The record wins when its
     weights can still be had: the base model, a checkpoint, an engine labelled with it, or engines
-    in a refit that its controller (or the lease) will end on it. Otherwise a version whose weights
-    died with every engine that held them is not claimed: the labels (or the base model) are."""
+    in a refit whose bracket is still open (its controller, or a restarted one, ends it and rolls
+    them back to it). Otherwise a version whose weights died with every engine that held them is
+    not claimed: the labels (or the base model) are."""
     if record and record.get("version"):
         version, path = str(record["version"]), record.get("path")
-        if version == BASE_VERSION or path or (labels and (record.get("refit") or labels.get(version))):
+        if version == BASE_VERSION or path or (labels and (open_bracket or labels.get(version))):
             return version, path or (model_path if version == BASE_VERSION else None), "ledger"
         logger.error("the committed version %s is held by no live engine and no checkpoint: it is lost; serving %s "
                      "until the next refit", version, labels.most_common(1)[0][0] if labels else BASE_VERSION)

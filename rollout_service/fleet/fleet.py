@@ -89,7 +89,10 @@ class EngineFleet(CurrentWeights, Adoption):
         self.ledger = FleetLedger(self._name, self.config.fleet.ledger_timeout_s)
         self._version_source: str | None = None  # how a restarted incarnation knew the current version
         if self._reconstructed:  # restarted by Ray: adopt now, not at the first call (none may come)
-            self._recovering = asyncio.get_running_loop().create_task(self._recover_soon())
+            try:
+                self._recovering = asyncio.get_running_loop().create_task(self._recover_soon())
+            except RuntimeError:  # constructed outside an event loop: the first call adopts
+                pass
 
     def _init_state(self) -> None:
         self._reset_slots()
@@ -100,6 +103,7 @@ class EngineFleet(CurrentWeights, Adoption):
         self._startup_s: float | None = None
         self._closing = False
         self._refit_deadline = float("inf")
+        self._refit_members: list[tuple[int, int]] = []  # (slot, generation) of the open bracket's engines
         self._first_starts: list[asyncio.Task] = []
 
     def _reset_slots(self) -> None:
@@ -284,12 +288,18 @@ class EngineFleet(CurrentWeights, Adoption):
         return self._view()
 
     async def loaded_members(self) -> tuple[Member, ...]:
-        """Every live engine that finished loading, serving or not (STALE: on a version other than the
-        current one): a restarted refit controller brings all of them back to one version."""
+        """The engines a restarted refit controller brings back to one version: the serving ones,
+        and while a refit bracket is open, every live engine the bracket's refit ran over (a
+        restarted fleet keeps those that carry a label it never recorded out of the serving set,
+        STALE). Other STALE engines (a replacement still reloading) are the fleet's own business."""
         await self._recover()
-        states = (*SERVING, EngineState.STALE)
+        members = set(self.health.serving())
+        if self.health.refitting:
+            members |= {slot for slot, generation in self._refit_members
+                        if self.health.slots[slot].generation == generation
+                        and self.health.slots[slot].state in (*SERVING, EngineState.STALE)}
         return tuple(Member(i, self.slots[i].generation, self.slots[i].actor, self.slots[i].load, self.slots[i].channel)
-                     for i in self.health.in_state(*states) if self.slots[i].actor is not None)
+                     for i in sorted(members) if self.slots[i].actor is not None)
 
     async def _publish(self, epoch_before: int) -> None:
         self._record_metrics()
@@ -366,6 +376,7 @@ class EngineFleet(CurrentWeights, Adoption):
             raise RuntimeError("a refit is already bracketed on the fleet")
         self.health.begin_refit()
         self._refit_deadline = time.monotonic() + lease_s
+        self._refit_members = [(i, self.health.slots[i].generation) for i in self.health.serving()]
         self._last_refit = {"outcome": "running", "from_version": self.health.current_version, "version": None,
                             "started_at": time.time(), "ended_at": None, "duration_s": None}
         exporting = self.weights.exporting
@@ -457,6 +468,8 @@ class EngineFleet(CurrentWeights, Adoption):
         if self.health.refitting and time.monotonic() > self._refit_deadline:
             logger.warning("refit bracket not ended within its lease: ending it (no version change)")
             await self.end_refit(None)
+        if self.ledger.dirty:  # a write failed: the record must not stay behind what is true
+            await self._persist()
         before = self.health.epoch
         for i in self.health.tick():
             self._on_dead(i, self.health.slots[i].generation)

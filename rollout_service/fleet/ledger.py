@@ -15,7 +15,8 @@ JSON), as Ray Serve keeps its own controller's checkpoint: it lasts as long as t
 (and across a head restart where the GCS is made fault tolerant with an external Redis), which is as
 long as the engines it describes can live. Every write is the whole record, made under one lock so
 that writes land in the order they were made, each with ``fleet.ledger_timeout_s``. A write that
-fails is logged and counted (``stats()["ledger"]``); the fleet keeps serving, and a new incarnation
+fails is logged and counted (``stats()["ledger"]``) and made again by the fleet's monitor (every
+``fleet.probe_interval_s``) until one lands; the fleet keeps serving meanwhile. A new incarnation
 that finds no record falls back to the engines' labels.
 """
 
@@ -43,6 +44,7 @@ class FleetLedger:
         self.writes = 0
         self.failures = 0
         self.last_error: str | None = None
+        self.dirty = False  # the last write failed: the fleet's monitor writes the record again
 
     @staticmethod
     def _gcs():
@@ -76,11 +78,12 @@ class FleetLedger:
                                                                             timeout=self.timeout_s))
             except Exception as exc:
                 self.failures += 1
+                self.dirty = True
                 self.last_error = short_error(exc)
-                logger.warning("fleet ledger write failed (a restarted fleet would infer the version from the "
-                               "engines' labels): %s", self.last_error)
+                logger.warning("fleet ledger write failed (written again by the fleet's monitor): %s", self.last_error)
                 return False
             self.writes += 1
+            self.dirty = False
             return True
 
     async def clear(self) -> None:
@@ -96,4 +99,4 @@ class FleetLedger:
 
     def status(self) -> dict[str, Any]:
         return {"enabled": self.enabled, "writes": self.writes, "failures": self.failures,
-                "last_error": self.last_error}
+                "last_error": self.last_error, "dirty": self.dirty}

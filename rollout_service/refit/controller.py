@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "rollout-service-refit"
 
 
+APPLY_MARGIN_S = 5.0  # past the sum of an apply's step deadlines, for the call itself
+
+
 class _StepFailed(Exception):
     """An engine's apply call named the step that failed and why (the message is the report's error)."""
 CONTROLLER_NAMESPACE = "rollout-service"
@@ -309,7 +312,7 @@ class RefitController(NcclRounds, RestartRecovery):
                 get_metrics().refit("failed")
                 raise
             finally:
-                await self.fleet.end_refit.remote(committed, getattr(transfer, "path", None) if kind == "path" else None)
+                await self._end_bracket(committed, getattr(transfer, "path", None) if kind == "path" else None, timeout)
             self._last_report = report.to_dict()
             get_metrics().refit("ok" if report.ok else "failed", self._last_report)
             if not report.ok:
@@ -364,14 +367,16 @@ class RefitController(NcclRounds, RestartRecovery):
             kwargs = {"fail_after_tensors": fail_load_after_tensors} if fail_load_after_tensors is not None else None
             stage = transfer.engine_stage()
             applied = await asyncio.gather(
-                *[asyncio.wait_for(e.refit_apply.remote(stage, version, kwargs, timeout), len(APPLY_STEPS) * timeout)
-                  for e in engines],
+                *[asyncio.wait_for(e.refit_apply.remote(stage, version, kwargs, timeout),
+                                   len(APPLY_STEPS) * timeout + APPLY_MARGIN_S) for e in engines],
                 return_exceptions=True)
             apply_s = time.perf_counter() - t0
             done = [a for a in applied if not isinstance(a, BaseException)]
             for m, a in zip(view.members, applied):
                 if not isinstance(a, BaseException):
                     reached[m.slot] = a["reached"]
+                elif is_engine_death(a):  # nothing to undo on it: the fleet replaces it on the current version
+                    await self._lost(m, a, timeout, report)
             report.bytes, report.worker_receive_s = bytes_of([a["stage"] for a in done])
             report.worker_timings = [w for a in done for w in a["load"] if w]
             report.transfer_s = max((a["seconds"].get("transfer", 0.0) for a in done), default=0.0)
@@ -397,12 +402,14 @@ class RefitController(NcclRounds, RestartRecovery):
             report.error = str(exc) if isinstance(exc, _StepFailed) else short_error(exc)
             logger.warning("refit to %s failed at %s: %s", version, step, report.error)
 
-            def undo(slot: int) -> tuple[bool, bool]:
-                """(roll the load back, restore the label) for one engine, from how far it got."""
+            def undo(slot: int) -> tuple[bool, bool] | None:
+                """(roll the load back, restore the label) for one engine, from how far it got; None:
+                unknown (its apply call raised: it died, or answered nothing within every step's
+                deadline and may still be loading): it must not serve again, the fleet replaces it."""
                 if not applying:
                     return False, False
-                if slot not in reached:  # its call raised (died, timed out): assume the worst
-                    return True, True
+                if slot not in reached:  # (a dead one is in report.engines_lost, left out)
+                    return None
                 return reached[slot] is not None, reached[slot] in ("load", "label")
 
             report.rolled_back = await self._recover(view, previous, undo, timeout, report)
@@ -419,6 +426,32 @@ class RefitController(NcclRounds, RestartRecovery):
             report.error = "; ".join(filter(None, [f"engine slot(s) {lost} died during the refit (the fleet replaces them)",
                                                    report.error]))
         return report
+
+    async def _lost(self, m: Member, exc: BaseException, timeout: float, report) -> None:
+        """An engine died during the refit: reported (the fleet replaces it on the current version)."""
+        report.engines_lost.append(m.slot)
+        try:  # the fleet's monitor finds the engine anyway
+            await asyncio.wait_for(self.fleet.report_failure.remote(
+                m.slot, m.generation, f"{type(exc).__name__}: during a refit", is_actor_dead(exc)), timeout)
+        except Exception:
+            pass
+
+    async def _end_bracket(self, committed: str | None, path: str | None, timeout: float) -> None:
+        """Tell the fleet the refit is over (and what it committed). A fleet that is restarting
+        (killed mid-refit) is asked again until it answers, for at most ``timeout``: its durable
+        record must not keep a bracket and a version that are no longer true."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await asyncio.wait_for(self.fleet.end_refit.remote(committed, path), timeout)
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("end of the refit bracket not delivered (retrying): %s", short_error(exc))
+                if is_actor_dead(exc):
+                    self._fleet = None  # killed for good: looked up (or created) by name again
+                await asyncio.sleep(0.5)
 
     async def _commit_and_resume(self, view: FleetView, timeout, report, resumed: set[int]) -> int | None:
         """Release every engine's backup of the previous weights and resume it (one call each). Past
@@ -437,12 +470,7 @@ class RefitController(NcclRounds, RestartRecovery):
         for m, r in zip(view.members, results):
             if isinstance(r, BaseException):
                 if is_engine_death(r):
-                    report.engines_lost.append(m.slot)
-                    try:  # the refit is committed whatever the fleet answers; its monitor finds the engine anyway
-                        await self.fleet.report_failure.remote(m.slot, m.generation,
-                                                               f"{type(r).__name__}: during a refit", is_actor_dead(r))
-                    except Exception:
-                        pass
+                    await self._lost(m, r, timeout, report)
                 else:  # stalled: neither its commit nor its resume is known; the fleet's probes decide
                     report.commit_failed.append(m.slot)
                     commit_errors.append(f"engine slot {m.slot}: {short_error(r)}")
@@ -475,10 +503,16 @@ class RefitController(NcclRounds, RestartRecovery):
         broken: list[str] = []
         unrestorable: list[Member] = []
         rolled: list[bool] = []
+        lost = set(report.engines_lost)
 
         async def one(m: Member):
             e = m.handle
-            rollback, relabel = undo(m.slot)
+            plan = undo(m.slot)
+            if plan is None:
+                broken.append(f"engine slot {m.slot}: its state after the failed apply is unknown")
+                unrestorable.append(m)
+                return
+            rollback, relabel = plan
             try:
                 if rollback:
                     await asyncio.wait_for(e.collective_rpc.remote("rs_rollback", timeout=timeout), timeout)
@@ -489,16 +523,18 @@ class RefitController(NcclRounds, RestartRecovery):
                     await asyncio.wait_for(e.set_weight_version.remote(previous), timeout)
             except Exception as exc:
                 if is_engine_death(exc):
-                    report.engines_lost.append(m.slot)
-                    await self.fleet.report_failure.remote(m.slot, m.generation, f"{type(exc).__name__}: during a refit",
-                                                           is_actor_dead(exc))
+                    await self._lost(m, exc, timeout, report)
                     return
                 broken.append(f"engine slot {m.slot}: {short_error(exc)}")
                 unrestorable.append(m)
 
-        await asyncio.gather(*[one(m) for m in view.members])
+        await asyncio.gather(*[one(m) for m in view.members if m.slot not in lost])
         for m in unrestorable:
-            await self.fleet.mark_dead.remote(m.slot, m.generation, f"rollback failed after a failed refit: {report.error}")
+            try:
+                await asyncio.wait_for(self.fleet.mark_dead.remote(
+                    m.slot, m.generation, f"not restorable after a failed refit: {report.error}"), timeout)
+            except Exception as exc:  # the fleet's probes find it (it stays paused, never resumed here)
+                logger.warning("could not hand engine slot %d to the fleet: %s", m.slot, short_error(exc))
         self._unrestorable = [m.handle for m in unrestorable]
         if broken:
             report.error = f"{report.error}; rollback failed, replaced by the fleet: {'; '.join(broken)}"

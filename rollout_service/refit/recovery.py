@@ -64,8 +64,9 @@ class RestartRecovery:
         - the NCCL path loads in place with nothing staged: every engine goes back to its last
           committed weights (``rs_nccl_abort``), as when a round's lease runs out;
         - every engine is resumed (idempotent) and the fleet's refit bracket ended.
-        Every loaded engine is looked at, serving or not: a restarted fleet keeps engines labelled with
-        a version it never recorded out of the serving set (STALE) until this brings them back.
+        The engines looked at are the serving ones and, while the fleet's refit bracket is open,
+        every live engine of that refit (``loaded_members``): a restarted fleet keeps those labelled
+        with a version it never recorded out of the serving set (STALE) until this brings them back.
         The trainer's refit call failed with the controller's death; it may retry."""
         timeout = self.config.refit.step_timeout_s
         stats = await asyncio.wait_for(self.fleet.stats.remote(), timeout)
@@ -98,7 +99,8 @@ class RestartRecovery:
         alive = [(m, r) for m, r in zip(members, results) if not isinstance(r, BaseException)]
         for m, r in zip(members, results):
             if isinstance(r, BaseException):  # dead or broken: the fleet replaces it on the current version
-                await self.fleet.mark_dead.remote(m.slot, m.generation, f"after a controller restart: {short_error(r)}")
+                await asyncio.wait_for(self.fleet.mark_dead.remote(
+                    m.slot, m.generation, f"after a controller restart: {short_error(r)}"), timeout)
                 done["replaced"] += 1
         versions = {version for (_, version) in (r for _, r in alive)}
         kept = [(m, rolled, version) for m, (rolled, version) in alive]
@@ -113,14 +115,16 @@ class RestartRecovery:
                     await asyncio.wait_for(m.handle.set_weight_version.remote(current), timeout)
                     done["relabelled"] += 1
                 else:
-                    await self.fleet.mark_dead.remote(m.slot, m.generation, "committed a version the fleet never "
-                                                      "recorded (controller died mid-refit)")
+                    await asyncio.wait_for(self.fleet.mark_dead.remote(
+                        m.slot, m.generation, "committed a version the fleet never recorded (controller died "
+                        "mid-refit)"), timeout)
                     done["replaced"] += 1
         await asyncio.gather(*[asyncio.wait_for(m.handle.resume.remote(), timeout) for m, _ in alive],
                              return_exceptions=True)
         if stats.get("refitting") or done["rolled_forward"]:
-            await self.fleet.end_refit.remote(done["rolled_forward"])
+            await asyncio.wait_for(self.fleet.end_refit.remote(done["rolled_forward"]), timeout)
         self.weight_version = done["version"]
         if self.weight_version not in self._version_history:
             self._version_history.append(self.weight_version)
         return done
+
