@@ -137,6 +137,29 @@ async def load(url: str, rollouts: int, turns: int, concurrency: int, cap: int, 
     return wall, latencies, failures, moved
 
 
+def redis_primaries(url: str) -> list:
+    """A client per Redis primary the store writes to (one, or each primary of a cluster)."""
+    import redis as redis_py
+
+    from rollout_service.store.urls import parse_redis_url
+
+    clean, cluster = parse_redis_url(url)
+    u = httpx.URL(clean)
+    if not cluster:
+        return [redis_py.Redis(host=u.host, port=u.port)]
+    seed = redis_py.Redis(host=u.host, port=u.port)
+    ports = [int(line.split()[1].split(":")[1].split("@")[0])
+             for line in seed.execute_command("CLUSTER", "NODES").decode().splitlines()
+             if "master" in line.split()[2] and len(line.split()) > 8]
+    return [redis_py.Redis(host=u.host, port=p) for p in sorted(ports)]
+
+
+def redis_totals(nodes: list) -> tuple[int, int]:
+    """(bytes used, commands processed) summed over the primaries."""
+    return (sum(n.info("memory")["used_memory"] for n in nodes),
+            sum(n.info("stats")["total_commands_processed"] for n in nodes))
+
+
 def config(n: int, args, policy: str | None = None):
     from rollout_service.config import RolloutServiceConfig
 
@@ -148,6 +171,7 @@ def config(n: int, args, policy: str | None = None):
         "service": {"num_affinity_replicas": args.replicas, "default_max_tokens": 64},
         "fleet": {"probe_interval_s": 2.0},
         "routing": {"policy": policy or "sticky_least_loaded"},
+        **({"store": {"redis_url": args.redis_url}} if args.redis_url else {}),
     })
 
 
@@ -191,11 +215,8 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
         wait_healthy(svc.fleet, n)
         procs = processes()
         row["engine_rss_mb"] = statistics.mean(rss_mb(p) for p in procs["engines"]) if procs["engines"] else None
-        redis = httpx.URL(svc.config.store.redis_url)
-        import redis as redis_py
-
-        rc = redis_py.Redis(host=redis.host, port=redis.port)
-        mem0, ops0 = rc.info("memory")["used_memory"], rc.info("stats")["total_commands_processed"]
+        nodes = redis_primaries(svc.config.store.redis_url)
+        mem0, ops0 = redis_totals(nodes)
 
         # warm-up (the replicas' first calls), then the measured run
         asyncio.run(load(svc.url, 8, 1, 8, 16, seed=99, shared_prefix=args.shared_prefix))
@@ -207,7 +228,9 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
         row.update(turns=turns, failures=len(failures), turns_per_s=turns / wall, p50_ms=1e3 * statistics.median(lat),
                    p99_ms=1e3 * sorted(lat)[int(0.99 * (turns - 1))], pin_moves=moved)
         row["cpu_ms_per_turn"] = {role: 1e3 * (cpu1[role] - cpu0.get(role, 0.0)) / max(1, turns) for role in cpu1}
-        mem1, ops1 = rc.info("memory")["used_memory"], rc.info("stats")["total_commands_processed"]
+        mem1, ops1 = redis_totals(nodes)
+        if len(nodes) > 1:
+            row["redis_keys_per_primary"] = [n.dbsize() for n in nodes]
         row["redis_kb_per_1k_rollouts"] = (mem1 - mem0) / 1024 / (args.rollouts + 8) * 1000
         row["redis_ops_per_turn"] = (ops1 - ops0) / (turns + 8)
         stats = engine_stats(svc.fleet)
@@ -289,14 +312,24 @@ def main(argv=None) -> int:
     p.add_argument("--decode-step-s-per-seq", type=float, default=6e-5)
     p.add_argument("--prefill-s-per-token", type=float, default=5e-5)
     p.add_argument("--kv-capacity-tokens", type=int, default=350_000)
+    p.add_argument("--redis-cluster", action="store_true",
+                   help="store on a Redis Cluster of 3 primaries with a replica each (LocalRedisCluster) instead of "
+                   "the embedded redis-server")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     args.port = free_port()
+    args.redis_url = None
 
     from rollout_service.ops.runtime import apply_local_env, shutdown_local_ray
 
     apply_local_env()
     rows = []
+    cluster = None
+    if args.redis_cluster:
+        from rollout_service.store.cluster_group import LocalRedisCluster
+
+        cluster = LocalRedisCluster(tempfile.mkdtemp(prefix="bench-scale-cluster-"))
+        args.redis_url = cluster.start()
     try:
         if args.routing:
             for n in args.engines:
@@ -309,6 +342,9 @@ def main(argv=None) -> int:
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         shutdown_local_ray()
+        if cluster is not None:
+            cluster.stop()
+            shutil.rmtree(cluster.directory, ignore_errors=True)
     print(table(rows, args.routing))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

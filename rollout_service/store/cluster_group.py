@@ -40,7 +40,8 @@ class LocalRedisCluster:
         for i in range(self.num_primaries * (1 + self.num_replicas)):
             node = EmbeddedRedis(self.directory / f"node-{i}", host=self.host, maxmemory=self.maxmemory, extra_args=[
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms)])
+                "--cluster-node-timeout", str(self.node_timeout_ms),
+                "--repl-diskless-sync-delay", "0"])  # a replica's first sync now, not 5 s later
             node.start()
             self.nodes.append(node)
         subprocess.run([cli, "--cluster", "create", *[f"{self.host}:{n.port}" for n in self.nodes],
@@ -124,7 +125,11 @@ class LocalRedisCluster:
         online = 0
         for port in self.primaries():
             try:
-                online += int(self._command(port, "INFO", "replication").get("connected_slaves", 0))
+                info = self._command(port, "INFO", "replication")
+                # redis-py parses INFO into a dict: slave<i> -> {"ip", "port", "state", ...}; a replica
+                # still in its first sync (wait_bgsave) cannot be promoted
+                online += sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
+                              and v.get("state") == "online")
             except OSError:
                 pass
         return online

@@ -191,6 +191,20 @@ _UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError, 
                 rexc.RedisClusterException)
 
 
+def _raised_by_a_dropped_connection(exc: BaseException) -> bool:
+    """redis-py 8.1's asyncio connection lets a write on a connection the peer closed (or another
+    task disconnected) raise the transport's own AttributeError / TypeError instead of its
+    ConnectionError (redis/redis-py#4287; seen here on a Redis Cluster failover:
+    ``'NoneType' object has no attribute 'writelines'``). Only errors raised inside redis-py's
+    connection or asyncio's transport code are taken for that; any other one is a bug and raised."""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    where = last.tb_frame.f_code.co_filename if last is not None else ""
+    return where.endswith(("redis/asyncio/connection.py", "asyncio/streams.py", "asyncio/selector_events.py"))
+
+
 class RedisRolloutStore:
     """``RolloutStore`` on redis-py asyncio (``Redis`` or ``RedisCluster`` — the code path is the same)."""
 
@@ -437,6 +451,11 @@ class RedisRolloutStore:
         except (*_UNAVAILABLE, OSError) as e:
             log.warning("redis ping failed: %s", e)
             return False
+        except (AttributeError, TypeError) as e:
+            if not _raised_by_a_dropped_connection(e):
+                raise
+            log.warning("redis ping failed: connection lost (%s)", e)
+            return False
 
     async def close(self) -> None:
         if self._owns_client:
@@ -458,3 +477,7 @@ class RedisRolloutStore:
             raise StoreError(f"redis error: {e}") from e
         except rexc.RedisError as e:
             raise StoreError(f"redis error: {e}") from e
+        except (AttributeError, TypeError) as e:
+            if not _raised_by_a_dropped_connection(e):
+                raise
+            raise StoreUnavailable(f"redis unavailable: connection lost ({type(e).__name__}: {e})") from e
