@@ -11,6 +11,7 @@ Rules, read from the source (every import, including the lazy ones inside functi
 - The data plane (``serve/``) and the store never import the control plane (``refit/``) or operations.
 - The control plane reads the fleet through its types and the fleet actor, never through the data
   plane's client (``fleet/client.py``), and never imports the data plane.
+- ``training/`` (what a trainer imports) imports no other plane, no Ray, vLLM or Redis.
 - No plane imports operations (``ops/``: the launcher, runtime, CLI, demo, tiny model); ``config``
   may (the default model is the tiny one, built on first use).
 - No import cycle, between packages or between modules.
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "rollout_service"
-PLANES = ("onpolicy", "weights", "engine", "fleet", "serve", "store", "refit", "ops")
+PLANES = ("onpolicy", "weights", "engine", "fleet", "serve", "store", "refit", "ops", "training")
 
 
 def module_name(path: Path) -> str:
@@ -119,6 +120,11 @@ def test_the_control_plane_reads_the_fleet_through_its_types():
     bad = [f"{p.relative_to(PKG)} imports {n}" for p in files_of("refit") for n in imports_of(p)
            if n in ("rollout_service.fleet.client",) or plane_of(n) in ("serve", "ops")]
     assert bad == []
+
+
+def test_the_training_helpers_stand_alone():
+    others = set(PLANES) - {"training"} | {"config", "metrics"}
+    assert forbidden("training", others, {"ray", "vllm", "redis", "fastapi", "httpx"}) == []
 
 
 def test_no_plane_imports_operations():

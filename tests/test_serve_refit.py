@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from rollout_service.training import rows_from_trajectory
 from serve_helpers import MODEL, parse_sse
 
 
@@ -83,6 +84,8 @@ async def test_http_rollouts_spanning_a_refit_carry_both_versions(service, train
             assert seg["weight_versions"] == [
                 {"version": s["version"], "start": s["start"] + offset, "end": s["end"] + offset} for s in spans
             ]
+            (row,) = rows_from_trajectory(traj)  # the trainer's rows: each token's behaviour version
+            assert row.versions[offset:offset + 700] == [s["version"] for s in spans for _ in range(s["end"] - s["start"])]
         assert spanned >= 1 and spanned == report["requests_in_flight"]
         stats = trainer.stats()
         assert stats["weight_version"] == new
