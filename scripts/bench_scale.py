@@ -171,7 +171,9 @@ def config(n: int, args, policy: str | None = None):
         "service": {"num_affinity_replicas": args.replicas, "default_max_tokens": 64},
         "fleet": {"probe_interval_s": 2.0},
         "routing": {"policy": policy or "sticky_least_loaded"},
-        **({"store": {"redis_url": args.redis_url}} if args.redis_url else {}),
+        # an external store (--redis-cluster) is shared by every run: each run its own keys
+        **({"store": {"redis_url": args.redis_url, "key_prefix": f"bench-{n}-{policy or 'default'}"}}
+           if args.redis_url else {}),
     })
 
 
@@ -329,8 +331,9 @@ def main(argv=None) -> int:
         from rollout_service.store.cluster_group import LocalRedisCluster
 
         cluster = LocalRedisCluster(tempfile.mkdtemp(prefix="bench-scale-cluster-"))
-        args.redis_url = cluster.start()
     try:
+        if cluster is not None:
+            args.redis_url = cluster.start()
         if args.routing:
             for n in args.engines:
                 for policy in ("sticky", "least_loaded", "sticky_least_loaded"):

@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--modes", default="local,replicated")
     ap.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating")
     args = ap.parse_args()
+    if args.topology == "cluster" and "replicated" in args.modes.split(","):
+        ap.error("--topology cluster runs only --modes local (replicated is refused on a Redis Cluster)")
     rows = []
     for _ in range(args.rounds):
         for mode in args.modes.split(","):

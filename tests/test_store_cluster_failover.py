@@ -45,12 +45,15 @@ def test_a_primary_killed_under_load_costs_only_retryable_errors_and_every_rollo
 
         async def stored(rid: str) -> tuple[int, int]:
             """(turns, segment length) stored, read as an agent's retry would (waiting out the failover)."""
-            while True:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
                 try:
                     state = await store.load(rid)
                     break
                 except StoreUnavailable:
                     await asyncio.sleep(0.1)
+            else:
+                raise AssertionError(f"{rid} unreadable 60 s after the failover")
             if state is None:
                 return 0, 0
             return state.turn, sum(len(s.token_ids) for s in state.segments)
@@ -94,3 +97,25 @@ def test_a_primary_killed_under_load_costs_only_retryable_errors_and_every_rollo
     assert out["other"] == []
     assert len(out["spread"]) == 3 and all(n > 0 for n in out["spread"].values())
     assert out["acked"] > 0
+
+
+def test_only_errors_raised_inside_redis_pys_connection_code_count_as_a_lost_connection():
+    """The translation of redis-py 8.1's leaked transport errors (redis/redis-py#4287) is narrow: an
+    AttributeError raised by code in redis-py's asyncio connection module is a lost connection; the
+    same error from anywhere else is a bug and stays one."""
+    from rollout_service.store.redis_store import raised_by_a_dropped_connection
+
+    def raised_in(filename: str) -> BaseException:
+        code = compile("def write(writer):\n    writer.writelines([b'x'])\n", filename, "exec")
+        scope: dict = {}
+        exec(code, scope)
+        try:
+            scope["write"](None)
+        except AttributeError as exc:
+            return exc
+        raise AssertionError("no error raised")
+
+    import redis.asyncio.connection as connection_module
+
+    assert raised_by_a_dropped_connection(raised_in(connection_module.__file__))
+    assert not raised_by_a_dropped_connection(raised_in(__file__))

@@ -72,6 +72,7 @@ def test_a_constrained_turn_is_marked_and_left_out_of_the_loss_on_request():
     (lambda s: s["weight_versions"].append(dict(s["weight_versions"][0])), "overlap"),
     (lambda s: s["logprobs"].pop(), "differ in length"),
     (lambda s: s["weight_versions"][0].update(end=len(s["token_ids"]) + 5), "outside the segment"),
+    (lambda s: s["turns"][0].update(gen_start=-3), "not ordered"),
 ])
 def test_an_inconsistent_trajectory_is_refused(breakage, message):
     traj = _trajectory((2,))

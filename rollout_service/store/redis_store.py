@@ -191,7 +191,7 @@ _UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError, 
                 rexc.RedisClusterException)
 
 
-def _raised_by_a_dropped_connection(exc: BaseException) -> bool:
+def raised_by_a_dropped_connection(exc: BaseException) -> bool:
     """redis-py 8.1's asyncio connection lets a write on a connection the peer closed (or another
     task disconnected) raise the transport's own AttributeError / TypeError instead of its
     ConnectionError (redis/redis-py#4287; seen here on a Redis Cluster failover:
@@ -452,7 +452,7 @@ class RedisRolloutStore:
             log.warning("redis ping failed: %s", e)
             return False
         except (AttributeError, TypeError) as e:
-            if not _raised_by_a_dropped_connection(e):
+            if not raised_by_a_dropped_connection(e):
                 raise
             log.warning("redis ping failed: connection lost (%s)", e)
             return False
@@ -478,6 +478,6 @@ class RedisRolloutStore:
         except rexc.RedisError as e:
             raise StoreError(f"redis error: {e}") from e
         except (AttributeError, TypeError) as e:
-            if not _raised_by_a_dropped_connection(e):
+            if not raised_by_a_dropped_connection(e):
                 raise
             raise StoreUnavailable(f"redis unavailable: connection lost ({type(e).__name__}: {e})") from e

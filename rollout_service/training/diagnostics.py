@@ -13,7 +13,8 @@ step's rows (``loss_mask`` 1):
   sampled by (close to) π_old, so it estimates KL(π_old ‖ π_new), equal to KL(π_new ‖ π_old) to
   second order in the step.
 - ``clip_rate``: the share of tokens whose ratio π_loss / π_behaviour left [1 − ε, 1 + ε], with
-  π_loss the logprobs the clipped loss used.
+  π_loss the logprobs the clipped loss used, whatever the advantage's sign (the "clipfrac" of
+  OpenAI baselines; verl counts only the side the clip binds on).
 - ``entropy``: the mean of the per-token entropies the trainer passes (its full distributions).
 - ``lag_mean`` / ``lag_max``: how many versions each token's version is behind the trainer's (the
   position in ``version_order``, the versions the trainer labelled in order).
@@ -102,5 +103,5 @@ def token_logprobs(logits, input_ids):
     logp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=logits.device)
     picked = logp[:-1].gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp[:-1].exp() * logp[:-1]).sum(-1)
+    entropy = torch.special.entr(logp[:-1].exp()).sum(-1)  # 0 log 0 = 0 (masked logits)
     return [0.0] + picked.tolist(), [0.0] + entropy.tolist()

@@ -87,6 +87,9 @@ def rows_from_trajectory(trajectory: dict[str, Any], *, include_constrained: boo
             bounds = TurnBounds(turn=int(t["turn"]), prompt_start=int(t["prompt_start"]), gen_start=int(t["gen_start"]),
                                 gen_end=int(t["gen_end"]), finish_reason=str(t.get("finish_reason", "")),
                                 constrained=bool(t.get("constrained")), migrations=int(t.get("migrations") or 0))
+            if not 0 <= bounds.prompt_start <= bounds.gen_start <= bounds.gen_end <= n:
+                raise ValueError(f"{where}: turn {bounds.turn}'s bounds ({bounds.prompt_start}, {bounds.gen_start}, "
+                                 f"{bounds.gen_end}) are not ordered inside the segment ({n} ids)")
             turns.append(bounds)
             if bounds.constrained:
                 for i in range(bounds.gen_start, bounds.gen_end):

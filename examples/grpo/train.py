@@ -1,0 +1,327 @@
+"""GRPO through the service: a policy that learns from its own multi-turn rollouts, asynchronously.
+
+A trainer Ray actor (torch, float32, the tiny model on CPU) and agents that drive a multi-turn,
+tool-using task over the service's HTTP API. Each rollout (its own ``X-Rollout-Id``):
+
+1. the model answers the task (turn 1);
+2. a tool inspects that answer and its result comes back as the next message (the way text-parsed
+   tool harnesses return a tool's output to a model that cannot emit structured tool calls);
+3. the model answers again (turn 2).
+
+The reward is verifiable from the token ids alone: the share of the rollout's generated tokens that
+are *frequent* tokens of the Qwen BPE (ids below ``--frequent-ids``, 20,000 by default: the
+earliest merges, short common words and pieces), in [0, 1]. A random-weight model samples them at
+about their share of the vocabulary (~13 %); the task is to say more of them.
+
+Per step: G rollouts for each of P prompts (GRPO groups), the trajectory of each read back from the
+service (exact ids, the behaviour logprob and weight version of every token), group-relative
+advantages, one clipped-ratio optimizer step against the service's processed logprobs, then a refit
+through ``TrainerClient`` — while the next step's rollouts are already running (asynchronous RL,
+staleness bounded by one step; the per-token versions choose each token's behaviour logprob and
+show which tokens were stale). The diagnostics of every step go to ``OUT/metrics.csv`` and
+``OUT/curves.png`` (docs/training.md).
+
+    python examples/grpo/train.py --steps 30 --out /tmp/grpo            # starts its own service
+    RAY_ADDRESS=auto python examples/grpo/train.py --steps 30 --out /tmp/grpo \\
+        --base-url http://127.0.0.1:8000                                  # next to `rollout-service up`
+
+Exits non-zero if a step fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import math
+import random
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rollout_service.ops.runtime import apply_local_env  # noqa: E402
+
+apply_local_env()
+
+import httpx  # noqa: E402
+import ray  # noqa: E402
+
+from rollout_service.training import group_advantages, rows_from_trajectory, step_diagnostics  # noqa: E402
+
+# weight_version: the version the step's refit published; trainer_version: the one the step's
+# diagnostics compare against (the trainer's weights before the step).
+COLUMNS = ["step", "reward_mean", "ratio_dev_e4_current", "ratio_dev_e4_stale", "kl_k3", "clip_rate", "entropy",
+           "lag_mean", "lag_max", "refit_stall_s", "weight_version", "trainer_version", "tokens", "tokens_current",
+           "tokens_stale", "loss", "wall_s"]
+SYSTEM = "You are a helpful assistant. Answer briefly."
+
+
+@ray.remote(num_cpus=0)
+class GRPOTrainer:
+    """Holds the policy (float32), computes its logprobs on the service's exact ids, takes one
+    clipped-ratio step per batch and refits the service with the new weights."""
+
+    def __init__(self, model_path: str, controller, lr: float, clip_eps: float, seed: int, top_k: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from rollout_service.refit.client import TrainerClient
+
+        torch.manual_seed(seed)
+        torch.set_num_threads(2)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.train()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.clip_eps = clip_eps
+        self.top_k = top_k
+        self.client = TrainerClient(controller, timeout_s=120)
+        self.prefix = f"grpo-{uuid.uuid4().hex[:6]}"
+        # The service serves exactly the trainer's starting weights (it may have been refitted before).
+        init = f"{self.prefix}-init"
+        self.client.refit(init, {k: v.detach() for k, v in self.model.state_dict().items()}, transport="object_store")
+        self.versions = [init]
+
+    def version(self) -> str:
+        return self.versions[-1]
+
+    def _logprobs(self, ids: list[int], grad: bool):
+        """Per position i (0 at position 0): the logprob of ids[i] given ids[:i] under the distribution
+        the engine sampled from — the same top-k cut as the agents asked for (the service's logprobs
+        are *processed* ones: after top-k, renormalized over the kept tokens) — and, without grad,
+        the logprob under the whole softmax (for the KL: a step can move a token out of the top k)
+        and the sampling distribution's entropy."""
+        torch = self.torch
+        target = torch.tensor(ids[1:]).unsqueeze(-1)
+        zero = torch.zeros(1)
+        self.model.train(grad)
+        with torch.set_grad_enabled(grad):
+            logits = self.model(torch.tensor([ids])).logits[0, :-1].float()
+            full = None if grad else torch.cat([zero, torch.log_softmax(logits, -1).gather(-1, target).squeeze(-1)])
+            if self.top_k > 0:
+                kth = logits.detach().topk(self.top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits.detach() < kth, float("-inf"))
+            logp = torch.log_softmax(logits, dim=-1)
+            picked = torch.cat([zero, logp.gather(-1, target).squeeze(-1)])
+            if grad:
+                return picked, None, None
+            p = logp.exp()
+            entropy = torch.cat([zero, -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)])
+        return picked, full, entropy
+
+    def step(self, step: int, trajectories: list[dict], advantages: list[float]) -> dict:
+        torch = self.torch
+        rows, row_adv = [], []
+        for traj, adv in zip(trajectories, advantages):
+            for row in rows_from_trajectory(traj, include_constrained=False):
+                rows.append(row)
+                row_adv.append(adv)
+        before, before_full, entropies = [], [], []
+        for row in rows:  # the trainer's own logprobs, before the step: the ratio's numerator at its start
+            lp, full, ent = self._logprobs(row.input_ids, grad=False)
+            before.append(lp.tolist())
+            before_full.append(full.tolist())
+            entropies.append(ent.tolist())
+        total = sum(r.num_trained for r in rows) or 1
+        self.opt.zero_grad()
+        loss_sum = 0.0
+        for row, adv in zip(rows, row_adv):
+            lp, _, _ = self._logprobs(row.input_ids, grad=True)
+            mask = torch.tensor(row.loss_mask, dtype=torch.float32)
+            ratio = torch.exp(lp - torch.tensor(row.behaviour_logprobs, dtype=torch.float32))
+            clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps)
+            loss = -(torch.minimum(ratio * adv, clipped * adv) * mask).sum() / total
+            loss.backward()
+            loss_sum += float(loss)
+        self.opt.step()
+        after_full = [self._logprobs(r.input_ids, grad=False)[1].tolist() for r in rows]
+        diag = step_diagnostics(rows, before, trainer_version=self.versions[-1], version_order=self.versions,
+                                entropies=entropies, clip_eps=self.clip_eps)
+        kl = step_diagnostics(rows, before_full, trainer_version=self.versions[-1], version_order=self.versions,
+                              new_logprobs=after_full).kl_k3  # of the whole softmax
+        trained_on, version = self.versions[-1], f"{self.prefix}-{step}"
+        report = self.client.refit(version, {k: v.detach() for k, v in self.model.state_dict().items()},
+                                   transport="object_store")
+        self.versions.append(version)
+        return {**diag.to_dict(), "kl_k3": kl, "loss": loss_sum, "trainer_version": trained_on, "refit_stall_s": report["stall_s"], "weight_version": version}
+
+
+def reward_of(trajectory: dict, frequent_ids: int) -> float:
+    ids = [i for seg in trajectory["segments"] for i, m in zip(seg["token_ids"], seg["loss_mask"]) if m]
+    return sum(1 for i in ids if i < frequent_ids) / len(ids) if ids else 0.0
+
+
+async def rollout(client: httpx.AsyncClient, prompt: str, args, rng: random.Random) -> dict:
+    """One multi-turn, tool-using rollout; returns its trajectory as the service stored it."""
+    rid = f"grpo-{uuid.uuid4().hex[:12]}"
+    headers = {"X-Rollout-Id": rid}
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+    for turn in range(2):
+        r = await client.post("/v1/chat/completions", headers=headers, json={
+            "model": args.model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 1.0,
+            "seed": rng.randrange(2**31), **({"top_k": args.top_k} if args.top_k > 0 else {})})
+        if r.status_code != 200:
+            raise RuntimeError(f"{rid} turn {turn + 1}: {r.status_code} {r.text[:300]}")
+        answer = r.json()["choices"][0]["message"]["content"] or ""
+        messages.append({"role": "assistant", "content": answer})
+        if turn == 0:  # the tool: inspects the answer; its output is the next message
+            messages.append({"role": "user", "content": f"[tool: word_count] {len(answer.split())} words. Continue."})
+    r = await client.get(f"/v1/rollouts/{rid}")
+    r.raise_for_status()
+    return r.json()
+
+
+async def collect(base_url: str, step: int, args) -> tuple[list[dict], list[float], list[float]]:
+    """P groups of G rollouts; returns trajectories, their rewards, their group-relative advantages."""
+    rng = random.Random(args.seed * 1000 + step)
+    prompts = [f"Task {step}.{p}: describe a {rng.choice(['river', 'city', 'tool', 'song'])}." for p in range(args.prompts)]
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+        groups = await asyncio.gather(*[
+            asyncio.gather(*[rollout(client, prompt, args, random.Random(rng.random())) for _ in range(args.group_size)])
+            for prompt in prompts])
+    trajectories, rewards, advantages = [], [], []
+    for group in groups:
+        r = [reward_of(t, args.frequent_ids) for t in group]
+        trajectories += group
+        rewards += r
+        advantages += group_advantages(r)
+    return trajectories, rewards, advantages
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    panels = [("reward_mean", "reward"), ("ratio_dev_e4_current", "|ratio − 1| × 10⁴, current-version tokens"),
+              ("ratio_dev_e4_stale", "|ratio − 1| × 10⁴, stale tokens"), ("kl_k3", "KL (k3)"),
+              ("clip_rate", "clip rate"), ("entropy", "entropy"), ("lag_mean", "lag (versions), mean"),
+              ("refit_stall_s", "refit stall (s)")]
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    for ax, (key, title) in zip(axes.flat, panels):
+        ax.plot(steps, [r[key] for r in rows], marker="o", markersize=3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle("GRPO through rollout-service (tiny model, CPU)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+async def train(args, base_url: str, controller, model_path: str) -> list[dict]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = GRPOTrainer.remote(model_path, controller, args.lr, args.clip_eps, args.seed, args.top_k)
+    await trainer.version.remote()
+    rows: list[dict] = []
+    with open(out / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        pending = asyncio.create_task(collect(base_url, 0, args))
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            trajectories, rewards, advantages = await pending
+            if step + 1 < args.steps:  # the next step's rollouts run while this one trains and refits
+                pending = asyncio.create_task(collect(base_url, step + 1, args))
+            result = await trainer.step.remote(step, trajectories, advantages)
+            row = {"step": step, "reward_mean": sum(rewards) / len(rewards), **result,
+                   "wall_s": time.perf_counter() - t0}
+            rows.append(row)
+            writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+            f.flush()
+            print(f"step {step:3d}  reward {row['reward_mean']:.3f}  ratio-1 e4: current {row['ratio_dev_e4_current']:.3f}"
+                  f" stale {row['ratio_dev_e4_stale']:.1f}  kl {row['kl_k3']:.2e}  clip {row['clip_rate']:.3f}"
+                  f"  lag {row['lag_mean']:.2f}/{row['lag_max']}  stall {row['refit_stall_s'] * 1e3:.0f} ms"
+                  f"  {row['wall_s']:.1f} s", flush=True)
+            if math.isnan(row["loss"]):
+                raise RuntimeError(f"step {step}: the loss is NaN")
+    ray.kill(trainer)
+    plot(rows, out / "curves.png")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", required=True)
+    p.add_argument("--base-url", help="a running service (its Ray cluster joined with RAY_ADDRESS=auto); default: "
+                   "start one here on the tiny model")
+    p.add_argument("--baseline", choices=("naive", "raw-logprobs"),
+                   help="the contrast runs of the issue: not built yet")
+    p.add_argument("--instance", default="rollout-service", help="service.instance_name of the running service")
+    p.add_argument("--model", default="tiny-qwen3", help="the served model name")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--frequent-ids", type=int, default=20_000)
+    p.add_argument("--top-k", type=int, default=64, help="the agents' sampling top_k (the trainer applies the same "
+                   "cut to its logits); 0: the whole vocabulary")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip-eps", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.baseline:
+        print(f"--baseline {args.baseline} is not built yet (docs/training.md)", file=sys.stderr)
+        return 2
+
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.refit.controller import controller_name, get_controller
+
+    def stop_on_sigterm(signum, frame):  # stop what this command started (the service), as on Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    svc = None
+    try:
+        if args.base_url:
+            ray.init(address="auto", ignore_reinit_error=True, log_to_driver=False)
+            base_url = args.base_url.rstrip("/")
+            base_url = base_url[:-3] if base_url.endswith("/v1") else base_url
+            from rollout_service.fleet.fleet import fleet_name, get_fleet
+
+            controller = get_controller(controller_name(args.instance))
+            config = RolloutServiceConfig.model_validate(
+                ray.get(get_fleet(fleet_name(args.instance)).service_config.remote(), timeout=60))
+            model_path = config.engine.resolved_model()
+        else:
+            from rollout_service.ops.launcher import LocalService
+
+            config = RolloutServiceConfig.model_validate({"engine": {"num_engines": 1}})
+            svc = LocalService(config, port=_free_port(), log=lambda *a: print(*a, flush=True))
+            svc.start()
+            base_url, controller = svc.url, svc.controller
+            model_path = config.engine.resolved_model()
+        rows = asyncio.run(train(args, base_url, controller, model_path))
+        first, last = rows[0]["reward_mean"], sum(r["reward_mean"] for r in rows[-3:]) / min(3, len(rows))
+        print(f"reward {first:.3f} -> {last:.3f} (last 3 steps) over {len(rows)} steps; {args.out}/metrics.csv, "
+              f"{args.out}/curves.png")
+        return 0
+    except Exception as exc:  # noqa: BLE001 - a failed step is the run's failure: say it, exit non-zero
+        print(f"training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if svc is not None:
+            from rollout_service.ops.runtime import shutdown_local_ray
+
+            svc.stop()
+            shutdown_local_ray()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
