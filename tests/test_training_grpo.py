@@ -41,7 +41,8 @@ def test_grpo_steps_through_the_service_are_on_policy_and_refit_each_step(servic
     controller = get_controller()
     trainer = TrainerClient(controller, timeout_s=120)
     before = trainer.stats()["weight_version"]
-    args = argparse.Namespace(steps=3, prompts=2, group_size=3, max_tokens=6, top_k=64, lr=3e-3, clip_eps=0.2,
+    args = argparse.Namespace(steps=3, prompts=2, group_size=3, max_tokens=6, top_k=64, temperature=1.0, sync=False,
+                              lr=3e-3, clip_eps=0.2,
                               seed=0, frequent_ids=20_000, model=MODEL, out=str(tmp_path / "run"))
     try:
         rows = asyncio.run(grpo.train(args, service.url, controller, str(tiny_model_dir)))

@@ -66,7 +66,8 @@ class GRPOTrainer:
     """Holds the policy (float32), computes its logprobs on the service's exact ids, takes one
     clipped-ratio step per batch and refits the service with the new weights."""
 
-    def __init__(self, model_path: str, controller, lr: float, clip_eps: float, seed: int, top_k: int):
+    def __init__(self, model_path: str, controller, lr: float, clip_eps: float, seed: int, top_k: int,
+                 temperature: float = 1.0):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -80,6 +81,7 @@ class GRPOTrainer:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.clip_eps = clip_eps
         self.top_k = top_k
+        self.temperature = temperature
         self.client = TrainerClient(controller, timeout_s=120)
         self.prefix = f"grpo-{uuid.uuid4().hex[:6]}"
         # The service serves exactly the trainer's starting weights (it may have been refitted before).
@@ -92,8 +94,8 @@ class GRPOTrainer:
 
     def _logprobs(self, ids: list[int], grad: bool):
         """Per position i (0 at position 0): the logprob of ids[i] given ids[:i] under the distribution
-        the engine sampled from — the same top-k cut as the agents asked for (the service's logprobs
-        are *processed* ones: after top-k, renormalized over the kept tokens) — and, without grad,
+        the engine sampled from — the agents' temperature and top-k cut (the service's logprobs are
+        *processed* ones: after temperature and top-k, renormalized over the kept tokens) — and, without grad,
         the logprob under the whole softmax (for the KL: a step can move a token out of the top k)
         and the sampling distribution's entropy."""
         torch = self.torch
@@ -103,6 +105,7 @@ class GRPOTrainer:
         with torch.set_grad_enabled(grad):
             logits = self.model(torch.tensor([ids])).logits[0, :-1].float()
             full = None if grad else torch.cat([zero, torch.log_softmax(logits, -1).gather(-1, target).squeeze(-1)])
+            logits = logits / self.temperature
             if self.top_k > 0:
                 kth = logits.detach().topk(self.top_k, dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits.detach() < kth, float("-inf"))
@@ -163,7 +166,7 @@ async def rollout(client: httpx.AsyncClient, prompt: str, args, rng: random.Rand
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
     for turn in range(2):
         r = await client.post("/v1/chat/completions", headers=headers, json={
-            "model": args.model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 1.0,
+            "model": args.model, "messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "seed": rng.randrange(2**31), **({"top_k": args.top_k} if args.top_k > 0 else {})})
         if r.status_code != 200:
             raise RuntimeError(f"{rid} turn {turn + 1}: {r.status_code} {r.text[:300]}")
@@ -219,7 +222,8 @@ def plot(rows: list[dict], out: Path) -> None:
 async def train(args, base_url: str, controller, model_path: str) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trainer = GRPOTrainer.remote(model_path, controller, args.lr, args.clip_eps, args.seed, args.top_k)
+    trainer = GRPOTrainer.remote(model_path, controller, args.lr, args.clip_eps, args.seed, args.top_k,
+                                 args.temperature)
     await trainer.version.remote()
     rows: list[dict] = []
     with open(out / "metrics.csv", "w", newline="") as f:
@@ -229,9 +233,11 @@ async def train(args, base_url: str, controller, model_path: str) -> list[dict]:
         for step in range(args.steps):
             t0 = time.perf_counter()
             trajectories, rewards, advantages = await pending
-            if step + 1 < args.steps:  # the next step's rollouts run while this one trains and refits
+            if step + 1 < args.steps and not args.sync:  # the next step's rollouts run while this one trains
                 pending = asyncio.create_task(collect(base_url, step + 1, args))
             result = await trainer.step.remote(step, trajectories, advantages)
+            if step + 1 < args.steps and args.sync:  # on the weights this step published
+                pending = asyncio.create_task(collect(base_url, step + 1, args))
             row = {"step": step, "reward_mean": sum(rewards) / len(rewards), **result,
                    "wall_s": time.perf_counter() - t0}
             rows.append(row)
@@ -255,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", help="a running service (its Ray cluster joined with RAY_ADDRESS=auto); default: "
                    "start one here on the tiny model")
     p.add_argument("--baseline", choices=("naive", "raw-logprobs"),
-                   help="the contrast runs of the issue: not built yet")
+                   help="raw-logprobs: the same loop on a service that reports vLLM's default raw logprobs "
+                   "(engine.logprobs_mode raw_logprobs) with the agents at --temperature (0.7 unless given); "
+                   "naive (re-rendered, re-tokenized histories): not built yet")
+    p.add_argument("--temperature", type=float, help="the agents' sampling temperature (default 1.0; 0.7 with "
+                   "--baseline raw-logprobs)")
+    p.add_argument("--sync", action="store_true", help="collect each step's rollouts after the previous refit "
+                   "(every token on the trainer's version) instead of while the previous step trains")
     p.add_argument("--instance", default="rollout-service", help="service.instance_name of the running service")
     p.add_argument("--model", default="tiny-qwen3", help="the served model name")
     p.add_argument("--prompts", type=int, default=4)
@@ -268,9 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.baseline:
-        print(f"--baseline {args.baseline} is not built yet (docs/training.md)", file=sys.stderr)
+    if args.baseline == "naive":
+        print("--baseline naive is not built yet (docs/training.md)", file=sys.stderr)
         return 2
+    if args.temperature is None:
+        args.temperature = 0.7 if args.baseline == "raw-logprobs" else 1.0
+    logprobs_mode = "raw_logprobs" if args.baseline == "raw-logprobs" else "processed_logprobs"
 
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.refit.controller import controller_name, get_controller
@@ -291,10 +306,15 @@ def main(argv: list[str] | None = None) -> int:
             config = RolloutServiceConfig.model_validate(
                 ray.get(get_fleet(fleet_name(args.instance)).service_config.remote(), timeout=60))
             model_path = config.engine.resolved_model()
+            if config.engine.logprobs_mode != logprobs_mode:
+                print(f"the service at {base_url} reports {config.engine.logprobs_mode}; this run needs "
+                      f"{logprobs_mode} (start it with engine.logprobs_mode: {logprobs_mode})", file=sys.stderr)
+                return 2
         else:
             from rollout_service.ops.launcher import LocalService
 
-            config = RolloutServiceConfig.model_validate({"engine": {"num_engines": 1}})
+            config = RolloutServiceConfig.model_validate({"engine": {"num_engines": 1,
+                                                                     "logprobs_mode": logprobs_mode}})
             svc = LocalService(config, port=_free_port(), log=lambda *a: print(*a, flush=True))
             svc.start()
             base_url, controller = svc.url, svc.controller
