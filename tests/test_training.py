@@ -167,3 +167,31 @@ def test_the_training_module_imports_without_vllm_ray_or_torch():
             "print(sorted(m for m in ('ray', 'vllm', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_compare_draws_runs_on_one_plot(tmp_path, capsys):
+    """examples/grpo/compare.py: each run's metrics.csv (as train.py writes it) on one plot, a table."""
+    import csv
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("grpo_compare", root / "examples" / "grpo" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    runs = []
+    for label, dev in (("ours", 0.004), ("raw", 9000.0)):
+        d = tmp_path / label
+        d.mkdir()
+        with open(d / "metrics.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["step", "reward_mean", "ratio_dev_e4_current", "ratio_dev_e4_stale",
+                                              "clip_rate", "kl_k3", "entropy"])
+            w.writeheader()
+            for step in range(3):
+                w.writerow({"step": step, "reward_mean": 0.1 + 0.05 * step, "ratio_dev_e4_current": dev,
+                            "ratio_dev_e4_stale": "nan", "clip_rate": 0.0, "kl_k3": 0.1, "entropy": 3.0})
+        runs.append(f"{label}={d}")
+    assert compare.main([*runs, "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "| ours | 3 | 0.100 → 0.200 | 0.004 | 0.000 |" in out and "| raw | 3 |" in out
