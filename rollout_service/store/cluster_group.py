@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 from rollout_service.store.embedded import EmbeddedRedis, EmbeddedRedisError
+from rollout_service.store.local_group import LocalRedisGroup
 
 
-class LocalRedisCluster:
+class LocalRedisCluster(LocalRedisGroup):
     """``primaries`` primaries (the 16384 slots split evenly) with ``replicas`` replicas each. A
     replica is promoted when its primary has not answered for ``node_timeout_ms``."""
 
@@ -90,29 +91,7 @@ class LocalRedisCluster:
             node.stop()
         self.nodes = []
 
-    def __enter__(self) -> "LocalRedisCluster":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # ------------------------------------------------------------------ plumbing
-    def _command(self, port: int, *args: str):
-        import redis
-
-        client = redis.Redis(host=self.host, port=port, socket_timeout=2, socket_connect_timeout=2)
-        try:
-            return client.execute_command(*args)
-        except redis.RedisError as exc:
-            raise OSError(str(exc)) from exc
-        finally:
-            client.close()
-
     def _state(self, port: int) -> str | None:
         try:
             info = self._command(port, "CLUSTER", "INFO").decode()
@@ -122,22 +101,4 @@ class LocalRedisCluster:
                     None)
 
     def _replicas_online(self) -> int:
-        online = 0
-        for port in self.primaries():
-            try:
-                info = self._command(port, "INFO", "replication")
-                # redis-py parses INFO into a dict: slave<i> -> {"ip", "port", "state", ...}; a replica
-                # still in its first sync (wait_bgsave) cannot be promoted
-                online += sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                              and v.get("state") == "online")
-            except OSError:
-                pass
-        return online
-
-    @staticmethod
-    def _wait(cond, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                raise EmbeddedRedisError(what)
-            time.sleep(0.1)
+        return sum(self._online_replicas(port) for port in self.primaries())

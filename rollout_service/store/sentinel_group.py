@@ -11,15 +11,15 @@ from pathlib import Path
 
 from rollout_service.store.embedded import (
     EmbeddedRedis,
-    EmbeddedRedisError,
     find_redis_server,
     free_port,
     ping_port,
     popen_tied_to_this_process,
 )
+from rollout_service.store.local_group import LocalRedisGroup
 
 
-class LocalSentinelGroup:
+class LocalSentinelGroup(LocalRedisGroup):
     """A primary, its replicas and a quorum of Redis Sentinels on one host (each a real
     redis-server process tied to this one): for drills and tests of ``store.durability`` and
     ``redis+sentinel://`` URLs. Never what ``up`` runs; a deployment brings its own Sentinel."""
@@ -51,7 +51,7 @@ class LocalSentinelGroup:
                                     extra_args=["--replicaof", self.host, str(self.primary.port)])
             replica.start()
             self.replicas.append(replica)
-        self._wait(lambda: self._connected_replicas(self.primary.port) >= self.num_replicas, 20,
+        self._wait(lambda: self._online_replicas(self.primary.port) >= self.num_replicas, 20,
                    "the replicas did not connect to the primary")
         binary = find_redis_server(None)
         quorum = self.num_sentinels // 2 + 1
@@ -111,48 +111,9 @@ class LocalSentinelGroup:
             if server is not None:
                 server.stop()
 
-    def __enter__(self) -> "LocalSentinelGroup":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # ------------------------------------------------------------------ plumbing
-    def _command(self, port: int, *args: str):
-        import redis
-
-        client = redis.Redis(host=self.host, port=port, socket_timeout=2, socket_connect_timeout=2)
-        try:
-            return client.execute_command(*args)
-        except redis.RedisError as exc:
-            raise OSError(str(exc)) from exc
-        finally:
-            client.close()
-
-    def _connected_replicas(self, port: int) -> int:
-        try:
-            info = self._command(port, "INFO", "replication")
-        except OSError:
-            return 0
-        # redis-py parses INFO into a dict: slave<i> -> {"ip", "port", "state", ...}
-        return sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                   and v.get("state") == "online")
-
     def _sentinel_sees_replicas(self, port: int) -> bool:
         try:
             return len(self._command(port, "SENTINEL", "replicas", self.SERVICE)) >= self.num_replicas
         except OSError:
             return False
-
-    @staticmethod
-    def _wait(cond, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                raise EmbeddedRedisError(what)
-            time.sleep(0.05)
