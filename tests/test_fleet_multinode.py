@@ -48,7 +48,8 @@ def test_haproxy_ingress_on_two_nodes_keeps_affinity_and_exact_rollouts_through_
                           capture_output=True, text=True, timeout=600, start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(json.dumps({k: out[k] for k in ("outcomes", "longest_call_s", "replaced_s", "turns_by_node")}))
+    print(json.dumps({k: out[k] for k in ("outcomes", "longest_call_s", "replaced_s", "turns_by_node", "victim",
+                                          "victim_rollouts", "moves") if k in out}))
     assert set(out["replicas"].values()) == {"head", "worker"} and out["engines"] == ["worker", "worker"]
     assert out["turns_by_node"]["worker"] > 0 and out["turns_by_node"]["head"] > 0
     assert out["acked"] == 2 * 12 * 5 and out["lost"] == 0 and out["forks"] == 0
