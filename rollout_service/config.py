@@ -432,6 +432,29 @@ class RoutingConfig(_Strict):
         "loaded engine before the rollout moves.")
 
 
+class CanaryConfig(_Strict):
+    """The parity canary (rollout_service/canary/): a sample of finished generations re-scored by teacher
+    forcing on an engine at the same weight version and compared with the logprobs they were sampled with."""
+
+    sample_fraction: float = Field(
+        0.01, ge=0.0, le=1.0,
+        description="Share of finished generations re-scored (a random draw per generation); 0 disables the canary.")
+    score_on: Literal["other", "same"] = Field(
+        "other", description="Which engine re-scores: other (another serving engine when there is one, so an engine "
+        "left on other weights shows up; else the same one) or same (the engine that sampled).")
+    queue_size: int = Field(
+        64, ge=1, description="Generations waiting to be re-scored, per replica; a drawn generation that finds the "
+        "queue full is skipped (counted as queue_full), never waited for.")
+    score_timeout_s: float = Field(
+        60.0, gt=0, description="Deadline of one re-scoring call on an engine; past it the generation is skipped "
+        "(score_timeout).")
+    threshold: float = Field(
+        1e-3, gt=0, description="|Δlogprob| above which a token counts in share_above_threshold and the "
+        "tokens_above_threshold metric (the alert rule reads their ratio).")
+    report_interval_s: float = Field(
+        1.0, gt=0, description="How often a replica sends its canary figures to the fleet, which GET /v1/status reads.")
+
+
 class RefitConfig(_Strict):
     backend: Literal["gloo", "nccl"] = Field(
         "gloo",
@@ -473,6 +496,7 @@ class RolloutServiceConfig(_Strict):
     refit: RefitConfig = Field(default_factory=RefitConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    canary: CanaryConfig = Field(default_factory=CanaryConfig)
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "RolloutServiceConfig":

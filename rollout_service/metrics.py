@@ -51,6 +51,8 @@ STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 REFIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 # Ray wants positive bucket bounds; lags are integers, so le="0.5" counts the calls generated on one version.
 LAG_BUCKETS = (0.5, 1.5, 2.5, 3.5, 5.5, 10.5)
+ABS_DIFF_BUCKETS = (1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
+MULT_PROB_BUCKETS = (1.00001, 1.0001, 1.001, 1.01, 1.1, 2.0, 10.0)
 
 TURN_KINDS = ("monotonic", "fork", "reject", "replay")
 CALL_MODES = ("stateful", "stateless", "completion")
@@ -133,6 +135,23 @@ METRICS: tuple[MetricDef, ...] = (
        "fleet.call_deadline_s_per_token x max_tokens) and answered 504 engine_deadline.", ()),
     _m("weight_version", "gauge", "Info-style: 1 with the weight version the fleet serves as label `version`.",
        ("fleet", "version"), source="fleet"),
+    # ---- parity canary (rollout_service/canary: the replica that finished the generation)
+    _m("canary_checked_total", "counter", "Generations the parity canary re-scored and compared, by the engine slot "
+       "that sampled them (`engine`).", ("engine",)),
+    _m("canary_skipped_total", "counter", "Generations drawn by the canary but not compared, by reason "
+       "(canary.recompute.SKIP_REASONS: version_moved, temperature_without_top_k, queue_full, ...).", ("reason",)),
+    _m("canary_abs_diff", "histogram", "|sampled logprob - teacher-forced recompute| per compared token, by the "
+       "engine slot that sampled it.", ("engine",), ABS_DIFF_BUCKETS),
+    _m("canary_tokens_total", "counter", "Tokens the canary compared, by engine slot.", ("engine",)),
+    _m("canary_tokens_above_threshold_total", "counter", "Compared tokens with |logprob difference| above canary.threshold, "
+       "by engine slot (the alert rule reads their share of canary_tokens_total).", ("engine",)),
+    _m("canary_token_mult_prob_error", "histogram", "Per compared generation: the mean over its tokens of "
+       "exp(|logprob difference|) (NeMo RL's token_mult_prob_error; 1 = exact), by engine slot.", ("engine",),
+       MULT_PROB_BUCKETS),
+    _m("canary_max_abs_diff", "gauge", "Largest |logprob difference| the canary saw on an engine slot's current weight "
+       "version, per replica process (take the max over replicas).", ("engine",)),
+    _m("canary_mean_abs_diff", "gauge", "Mean |logprob difference| over the tokens the canary compared on an engine slot's "
+       "current weight version, per replica process.", ("engine",)),
     # ---- refit controller
     _m("refits_total", "counter", "Refits by outcome: ok, failed (rolled back, engines resumed on the previous "
        "version), rejected (another refit running, or a version label already used).", ("outcome",),
@@ -388,6 +407,32 @@ class ServiceMetrics:
             self._drop_gauge("rollout_service_weight_version", fleet, previous)
         self._version[fleet] = version
         self._gauge("rollout_service_weight_version", 1, fleet, version)
+
+    # ------------------------------------------------------------ parity canary
+    def canary_skipped(self, reason: str) -> None:
+        self.series("rollout_service_canary_skipped_total", reason).record(1)
+
+    def canary_checked(self, slot: int, diffs: Iterable[float], above: int, mult_prob_error: float | None,
+                       version_max: float, version_mean: float) -> None:
+        """One compared generation of engine ``slot``: its per-token |Δ|, how many were above the
+        threshold, its token_mult_prob_error; the slot's current-version max and mean so far."""
+        if not self.enabled:
+            return
+        engine = str(slot)
+        self.series("rollout_service_canary_checked_total", engine).record(1)
+        hist = self.series("rollout_service_canary_abs_diff", engine)
+        n = 0
+        for d in diffs:
+            hist.record(d)
+            n += 1
+        if n:
+            self.series("rollout_service_canary_tokens_total", engine).record(n)
+        if above:
+            self.series("rollout_service_canary_tokens_above_threshold_total", engine).record(above)
+        if mult_prob_error is not None:
+            self.series("rollout_service_canary_token_mult_prob_error", engine).record(mult_prob_error)
+        self._gauge("rollout_service_canary_max_abs_diff", version_max, engine)
+        self._gauge("rollout_service_canary_mean_abs_diff", version_mean, engine)
 
     # ------------------------------------------------------------ refit controller
     def refit(self, outcome: str, report: dict[str, Any] | None = None) -> None:

@@ -25,6 +25,7 @@ FIXTURE_MARKS = {
     "fleet_rig": ("cluster", "engine"),
     "refit_controller": ("cluster", "engine"),
     "prefix_cache_controller": ("cluster", "engine"),
+    "raw_prefix_controller": ("cluster", "engine"),
     "placement_probe": ("cluster",),  # its own three-node Ray cluster, in a subprocess
     "ray_driver_run": ("cluster",),  # a Ray driver in a subprocess
 }

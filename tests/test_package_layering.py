@@ -12,6 +12,9 @@ Rules, read from the source (every import, including the lazy ones inside functi
 - The control plane reads the fleet through its types and the fleet actor, never through the data
   plane's client (``fleet/client.py``), and never imports the data plane.
 - ``training/`` (what a trainer imports) imports no other plane, no Ray, vLLM or Redis.
+- ``canary/`` (the parity canary, run by the data plane) imports none of the data plane, the control
+  plane, the store or operations; its recompute and figures (``recompute.py``, ``stats.py``) no Ray
+  or vLLM. The engine and the fleet never import it.
 - No plane imports operations (``ops/``: the launcher, runtime, CLI, demo, tiny model); ``config``
   may (the default model is the tiny one, built on first use).
 - No import cycle, between packages or between modules.
@@ -26,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "rollout_service"
-PLANES = ("onpolicy", "weights", "engine", "fleet", "serve", "store", "refit", "ops", "training")
+PLANES = ("onpolicy", "weights", "engine", "fleet", "serve", "store", "refit", "ops", "training", "canary")
 
 
 def module_name(path: Path) -> str:
@@ -102,11 +105,11 @@ def test_the_weights_wire_protocol_stands_alone():
 
 
 def test_the_engine_knows_nothing_above_it():
-    assert forbidden("engine", {"fleet", "serve", "refit", "store", "ops", "onpolicy"}) == []
+    assert forbidden("engine", {"fleet", "serve", "refit", "store", "ops", "onpolicy", "canary"}) == []
 
 
 def test_the_fleet_knows_nothing_above_it():
-    assert forbidden("fleet", {"serve", "refit", "store", "ops", "onpolicy"}) == []
+    assert forbidden("fleet", {"serve", "refit", "store", "ops", "onpolicy", "canary"}) == []
     names = imports_of(PKG / "fleet" / "health.py")
     assert not [n for n in names if n.split(".")[0] in ("ray", "vllm", "torch") or plane_of(n)], names
 
@@ -125,6 +128,12 @@ def test_the_control_plane_reads_the_fleet_through_its_types():
 def test_the_training_helpers_stand_alone():
     others = set(PLANES) - {"training"} | {"config", "metrics"}
     assert forbidden("training", others, {"ray", "vllm", "redis", "fastapi", "httpx"}) == []
+
+
+def test_the_canary_sits_beside_the_data_plane():
+    assert forbidden("canary", {"serve", "refit", "store", "ops", "onpolicy"}) == []
+    for name in ("recompute.py", "stats.py"):
+        assert not [n for n in imports_of(PKG / "canary" / name) if n.split(".")[0] in ("ray", "vllm", "torch")], name
 
 
 def test_no_plane_imports_operations():

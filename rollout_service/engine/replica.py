@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from rollout_service.config import EngineConfig
 from rollout_service.engine.channel import ChannelServer
 from rollout_service.engine.refit_steps import RefitSteps
+from rollout_service.engine.scoring import Scoring
 from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk, spans_up_to
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION_CLS = "rollout_service.weights.worker_extension.RolloutWorkerExtension"
 
 
-class EngineReplica(RefitSteps):
+class EngineReplica(RefitSteps, Scoring):
     """Wraps one ``AsyncLLM``. Use :func:`create_engine_actor` to run it as a Ray actor."""
 
     def __init__(self, config: EngineConfig, index: int = 0, initial_weight_version: str = "0"):
@@ -204,9 +205,9 @@ class EngineReplica(RefitSteps):
         params = request.sampling.to_vllm(max_tokens=request.max_tokens)
         params.output_kind = output_kind
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
-        if self.config.enable_prefix_caching:
-            # No prefix-cache hit may cross a refit: KV computed under other weights is not reused.
-            prompt["cache_salt"] = f"weights-{self._version}"
+        salt = self.cache_salt()
+        if salt is not None:
+            prompt["cache_salt"] = salt
         self._in_flight[request.request_id] = len(request.prompt_ids)
         self._in_flight_started_on[request.request_id] = self._version
         want_top = request.sampling.top_logprobs
@@ -243,6 +244,11 @@ class EngineReplica(RefitSteps):
             self._in_flight_started_on.pop(request.request_id, None)
             if not finished:
                 await llm.abort(request.request_id)
+
+    def cache_salt(self) -> str | None:
+        """The prefix cache's salt for a request starting now: the weight version, so that no
+        prefix-cache hit crosses a refit (KV computed under other weights is never reused)."""
+        return f"weights-{self._version}" if self.config.enable_prefix_caching else None
 
     async def abort(self, request_id: str) -> None:
         await self._engine().abort(request_id)

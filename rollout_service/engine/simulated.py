@@ -46,7 +46,8 @@ from rollout_service.engine.batching import batched
 from rollout_service.engine.channel import ChannelServer
 from rollout_service.engine.refit_steps import RefitSteps
 from rollout_service.engine.sampling import SamplingParamsError
-from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk, spans_up_to
+from rollout_service.engine.types import (EngineUnavailable, GenerateRequest, GenerationChunk, ScoreRequest, ScoreResult,
+                                          spans_up_to)
 
 
 def _sample_vocab(model_dir: str) -> int:
@@ -319,6 +320,12 @@ class SimulatedEngine(RefitSteps):
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """No teacher-forced scoring: the simulated engine's logprobs come from a seed, not a model
+        (the parity canary counts such turns as skipped, ``engine_cannot_score``)."""
+        self._check_started()
+        return ScoreResult(weight_version=self._version, engine_index=self.index, supported=False)
 
     async def generate_all(self, request: GenerateRequest) -> GenerationChunk:
         async with contextlib.aclosing(self._generation(request, final_only=True)) as chunks:

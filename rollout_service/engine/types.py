@@ -56,6 +56,35 @@ class GenerationChunk:
         )
 
 
+@dataclass
+class ScoreRequest:
+    """Teacher forcing: the logprob of each of ``token_ids[start:]`` given the ids before it, from one
+    prefill (no sampling; the prefix cache is not read). ``num_top``: also the ``num_top`` highest
+    logprobs at each of those positions (descending). All raw (the model's log-softmax, before
+    temperature, top-k or top-p): the caller derives the processed value it needs."""
+
+    token_ids: list[int]
+    start: int
+    num_top: int = 0
+    request_id: str = field(default_factory=lambda: "score-" + uuid.uuid4().hex)
+
+
+@dataclass
+class ScoreResult:
+    """What :class:`ScoreRequest` asked for. ``weight_version``: the engine's label when the prefill was
+    queued and when it ended, or ``None`` when a relabel (a refit) came between them. ``logprobs[i]``
+    and ``ranks[i]`` (1 = the most likely) are those of ``token_ids[start + i]``; fewer than asked
+    when the context had no room (``max_model_len``) for all of them. ``supported``: False when the
+    engine cannot score (the simulated engine), everything else empty."""
+
+    weight_version: str | None
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_logprobs: list[list[float]] | None = None
+    engine_index: int = 0
+    supported: bool = True
+
+
 def spans_up_to(spans, n: int) -> list[tuple[str, int, int]]:
     """``(version, start, end)`` spans cut to the first ``n`` generated ids."""
     return [(v, s, min(e, n)) for v, s, e in spans if s < n]

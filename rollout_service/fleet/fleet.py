@@ -84,6 +84,7 @@ class EngineFleet(CurrentWeights, Adoption):
         self._last_refit: dict[str, Any] | None = None
         self._refits = {"committed": 0, "not_committed": 0}
         self._pin_moves = 0  # rollouts the data plane moved off a live engine (routing.policy)
+        self._canary_reports: dict[str, dict] = {}  # data-plane replica -> its parity canary's last report
         self._adopted_count: int | None = None  # engines a restarted incarnation took over (None: a first one)
         self._last_drain: dict | None = None  # the last drain of a restart on a new engine config
         self.ledger = FleetLedger(self._name, self.config.fleet.ledger_timeout_s)
@@ -444,6 +445,14 @@ class EngineFleet(CurrentWeights, Adoption):
     def count_pin_move(self) -> None:
         """A data-plane process moved a rollout off a live engine (routing.policy)."""
         self._pin_moves += 1
+
+    def report_canary(self, replica: str, report: dict) -> None:
+        """A data-plane replica's parity canary figures (cumulative: the last one replaces the one before)."""
+        self._canary_reports[replica] = report
+
+    def canary_reports(self) -> list[dict]:
+        """Every replica's last canary report (those of replicas gone since are kept: their turns were checked)."""
+        return list(self._canary_reports.values())
 
     def engine_config(self) -> dict:
         return self.config.engine.model_dump()

@@ -37,6 +37,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from rollout_service.canary.stats import status_of as canary_status
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.fleet.routing import effective_policy, make_policy
 from rollout_service.serve.protocol.openai import (
@@ -138,6 +139,7 @@ class RolloutService(ForwardingReplica):
             if self._runner is None:
                 from transformers import AutoTokenizer
 
+                from rollout_service.canary.canary import Canary
                 from rollout_service.fleet.client import connect
                 from rollout_service.fleet.fleet import get_or_create_fleet
                 from rollout_service.serve.turns import TurnRunner
@@ -162,7 +164,10 @@ class RolloutService(ForwardingReplica):
                                        call_deadline_s_per_token=self.config.fleet.call_deadline_s_per_token,
                                        nonstream_progress_s=self.config.fleet.nonstream_progress_s)
                 client.on_fleet_restart.append(lambda: self._reattach(client))
-                runner = TurnRunner(self.config, client, store, tokenizer)
+                canary = None
+                if self.config.canary.sample_fraction > 0:
+                    canary = Canary(self.config.canary, client, self.replica_id, max_top=self.config.engine.max_logprobs)
+                runner = TurnRunner(self.config, client, store, tokenizer, canary=canary)
                 try:
                     await asyncio.to_thread(runner.warm)
                 except Exception:  # a cold first call is slower, not wrong
@@ -295,11 +300,15 @@ class RolloutService(ForwardingReplica):
         ``errors`` and the rest is still returned: a status page must work when things are broken."""
         runner = await self._runner_or_503()
         errors: dict[str, str] = {}
-        fleet: dict[str, Any] = {}
-        try:
-            fleet = await asyncio.wait_for(runner.fleet.fleet.stats.remote(), timeout=15)
-        except Exception as exc:
-            errors["fleet"] = f"{type(exc).__name__}: {exc}"[:300]
+        actor = runner.fleet.fleet
+        fleet, canary_reports = await asyncio.gather(asyncio.wait_for(actor.stats.remote(), timeout=15),
+                                                     asyncio.wait_for(actor.canary_reports.remote(), timeout=15),
+                                                     return_exceptions=True)
+        for part, value in (("fleet", fleet), ("canary", canary_reports)):
+            if isinstance(value, BaseException):
+                errors[part] = f"{type(value).__name__}: {value}"[:300]
+        fleet = fleet if isinstance(fleet, dict) else {}
+        canary_reports = canary_reports if isinstance(canary_reports, list) else []
         stored = None
         try:
             stored = await asyncio.wait_for(runner.count_rollouts(), timeout=30)
@@ -317,6 +326,9 @@ class RolloutService(ForwardingReplica):
                         "configured": self.config.routing.policy, "load_margin": self.config.routing.load_margin,
                         "pin_moves": fleet.get("pin_moves")},
             "last_refit": fleet.get("last_refit"), "refits": fleet.get("refits"),
+            "canary": canary_status(canary_reports, enabled=self.config.canary.sample_fraction > 0,
+                                    sample_fraction=self.config.canary.sample_fraction,
+                                    threshold=self.config.canary.threshold),
             "rollouts": {"stored": stored, "key_prefix": self.config.store.key_prefix,
                          "in_flight_on_replica": len(runner.in_flight)},
             "errors": errors,

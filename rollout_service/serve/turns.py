@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from rollout_service.canary.canary import Canary, Generation
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.engine.types import GenerateRequest
 from rollout_service.engine.sampling import SamplingOptions, SamplingParamsError
@@ -84,9 +85,10 @@ def _chat_template(config: RolloutServiceConfig, tokenizer) -> ChatTemplate:
 class TurnRunner(RolloutReads):
     """Runs the calls of the rollouts routed to this replica (and answers reads: :class:`RolloutReads`)."""
 
-    def __init__(self, config: RolloutServiceConfig, fleet: FleetClient, store, tokenizer):
+    def __init__(self, config: RolloutServiceConfig, fleet: FleetClient, store, tokenizer, canary: Canary | None = None):
         self.config = config
         self.fleet = fleet
+        self.canary = canary  # the parity canary (canary.sample_fraction > 0): offered every finished generation
         self.store = store
         self.tokenizer = tokenizer
         self.template = _chat_template(config, tokenizer)
@@ -479,6 +481,8 @@ class TurnRunner(RolloutReads):
         routed = [] if routed is None else routed
         chunks = self.fleet.generate_with_failover(rollout_id, request, stream, routed=routed)
         seams = SeamStops(self.tokenizer, sampling.stop, sampling.skip_special_tokens) if sampling.stop else None
+        ids: list[int] = []
+        lps: list[float] = []
         try:
             async for chunk in chunks:
                 if seams is not None:
@@ -486,6 +490,14 @@ class TurnRunner(RolloutReads):
                     if passed is not chunk:  # a stop string across a migration seam ends it here
                         yield passed
                         return  # (closing the call aborts the rest in the engine)
+                if self.canary is not None:
+                    ids += chunk.token_ids
+                    lps += chunk.logprobs
+                    if chunk.finish_reason is not None and routed:
+                        self.canary.offer(Generation(
+                            prompt_ids=request.prompt_ids, token_ids=ids, logprobs=lps, sampling=sampling,
+                            slot=routed[-1].member.slot, weight_versions=list(chunk.weight_versions or ()),
+                            migrations=chunk.migrations))
                 yield chunk
         except (NoEngineAvailable, EngineLostDuringCall, EngineCallDeadline) as exc:
             raise http_error(exc) from None

@@ -1,0 +1,88 @@
+"""The canary's figures: per engine slot and weight version, and the skips by reason.
+
+Each replica keeps its own :class:`CanaryStats` and sends :meth:`CanaryStats.report` (sums, so that
+they merge exactly) to the fleet; ``GET /v1/status`` merges every replica's last report with
+:func:`status_of`. A report is cumulative since the replica started, so a report lost, or a fleet
+restarted (it keeps reports in memory), is made whole by the replica's next one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable, Mapping
+
+from rollout_service.training.parity import DEFAULT_THRESHOLD, ParityStats
+
+MAX_ENTRIES = 512  # (slot, version) entries a replica keeps; the oldest merge into (slot, "older")
+OLDER = "older"
+
+
+class CanaryStats:
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD):
+        self.threshold = threshold
+        self.entries: dict[tuple[int, str], dict[str, Any]] = {}
+        self.skipped: Counter[str] = Counter()
+        self.changes = 0  # bumped by every record: a reporter sends only when it moved
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] += 1
+        self.changes += 1
+
+    def add(self, slot: int, version: str, scored_on: int, behaviour, recomputed) -> ParityStats:
+        """Count one checked generation; returns its own figures."""
+        entry = self.entries.get((slot, version))
+        if entry is None:
+            entry = self.entries[(slot, version)] = {"stats": ParityStats(threshold=self.threshold), "scored_on": Counter()}
+            self._prune()
+        entry["scored_on"][scored_on] += 1
+        self.changes += 1
+        return entry["stats"].add(behaviour, recomputed)
+
+    def _prune(self) -> None:
+        while len(self.entries) > MAX_ENTRIES:
+            (slot, version), old = next(iter(self.entries.items()))
+            del self.entries[(slot, version)]
+            into = self.entries.setdefault((slot, OLDER), {"stats": ParityStats(threshold=self.threshold),
+                                                           "scored_on": Counter()})
+            into["stats"].merge(old["stats"])
+            into["scored_on"].update(old["scored_on"])
+
+    def report(self) -> dict[str, Any]:
+        """JSON-able sums (what a replica sends to the fleet)."""
+        return {"threshold": self.threshold, "skipped": dict(self.skipped),
+                "entries": [{"slot": slot, "weight_version": version, "stats": e["stats"].to_dict(),
+                             "scored_on": {str(k): v for k, v in e["scored_on"].items()}}
+                            for (slot, version), e in self.entries.items()]}
+
+
+def status_of(reports: Iterable[Mapping[str, Any]], *, enabled: bool, sample_fraction: float,
+              threshold: float = DEFAULT_THRESHOLD) -> dict[str, Any]:
+    """``GET /v1/status``'s ``canary``: every replica's report merged. ``checked``: generations compared;
+    ``skipped``: drawn but not compared, by reason; the figures over every compared token; ``by_engine``:
+    per (slot, weight version) of the engine that sampled (``scored_on``: which slots re-scored them)."""
+    total = ParityStats(threshold=threshold)
+    skipped: Counter[str] = Counter()
+    merged: dict[tuple[int, str], dict[str, Any]] = {}
+    for report in reports:
+        skipped.update(report.get("skipped") or {})
+        for e in report.get("entries") or ():
+            stats = ParityStats.from_dict(e["stats"])
+            total.merge(stats)
+            m = merged.setdefault((int(e["slot"]), str(e["weight_version"])),
+                                  {"stats": ParityStats(threshold=stats.threshold), "scored_on": Counter()})
+            m["stats"].merge(stats)
+            m["scored_on"].update({int(k): v for k, v in (e.get("scored_on") or {}).items()})
+    summary = total.summary()
+    by_engine = []
+    for (slot, version), m in sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1] == OLDER)):
+        s = m["stats"].summary()
+        by_engine.append({"slot": slot, "weight_version": version, "checked": s["turns"], "tokens": s["tokens"],
+                          "max_abs_diff": s["max_abs_diff"], "mean_abs_diff": s["mean_abs_diff"],
+                          "token_mult_prob_error": s["token_mult_prob_error"],
+                          "share_above_threshold": s["share_above_threshold"],
+                          "scored_on": {str(k): v for k, v in sorted(m["scored_on"].items())}})
+    return {"enabled": enabled, "sample_fraction": sample_fraction, "threshold": threshold,
+            "checked": summary["turns"], "skipped": dict(sorted(skipped.items())), "tokens": summary["tokens"],
+            "max_abs_diff": summary["max_abs_diff"], "mean_abs_diff": summary["mean_abs_diff"],
+            "token_mult_prob_error": summary["token_mult_prob_error"],
+            "share_above_threshold": summary["share_above_threshold"], "by_engine": by_engine}

@@ -1,0 +1,303 @@
+"""The parity canary: finished generations re-scored by teacher forcing and compared with the logprobs
+they were sampled with (rollout_service/canary, docs/canary.md).
+
+- The recompute replays vLLM's own processing (its top-k / top-p function on the same logits) from
+  raw scores, for every sampling it claims to handle; what it cannot handle is skipped by name.
+- On two real engines (the fleet rig) at the parity config: every drawn generation is counted
+  (checked or skipped with its reason) and |Δ| stays at or below 1e-5; an engine left on other
+  weights behind the controller's back is caught.
+- On a real engine in raw logprobs mode with prefix caching: raw logprobs at a temperature below 1
+  are caught, and so is a prefix-cache hit across a weight change whose salt did not change.
+- The serve-level test (a real Serve app, status and the metrics scrape) is in test_serve_canary.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+import torch
+
+from rollout_service.canary.recompute import SKIP_REASONS, plan, processed
+from rollout_service.canary.stats import MAX_ENTRIES, CanaryStats, status_of
+from rollout_service.engine.sampling import SamplingOptions
+from rollout_service.training.parity import DIFF_CAP, ParityStats, rows_parity
+from rollout_service.training.rows import TrainingRow, TurnBounds
+
+PARITY = 1e-5  # the parity config's bound (fp32 tiny model on CPU: ~1e-6)
+
+
+# ----------------------------------------------------------------------------- the recompute, unit
+RECOMPUTABLE = [
+    dict(temperature=1.0),
+    dict(temperature=0.0),
+    dict(temperature=0.7, top_k=20),
+    dict(temperature=1.3, top_k=8, top_p=0.8),
+    dict(temperature=0.5, top_k=3, top_p=0.5),
+    dict(temperature=1.0, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("case", RECOMPUTABLE, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_the_recompute_replays_vllms_own_processing(case):
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    s = SamplingOptions.validated(**case)
+    g = torch.Generator().manual_seed(7)
+    positions, vocab = 96, 3000
+    logits = torch.randn(positions, vocab, generator=g)
+    for i in range(positions):  # a few dominant tokens per row: a 0.9 nucleus lies within the top 20
+        logits[i, torch.randperm(vocab, generator=g)[:8]] += 10.0
+    greedy = s.temperature < 1e-5
+    if greedy:
+        reference = torch.log_softmax(logits, -1)
+    else:
+        k = torch.full((positions,), s.top_k, dtype=torch.long) if s.top_k > 0 else None
+        p = torch.full((positions,), s.top_p) if s.top_p < 1.0 else None
+        masked = apply_top_k_top_p_pytorch((logits / s.temperature).clone(), k, p, allow_cpu_sync=True)
+        reference = torch.log_softmax(masked, -1)  # what vLLM returns as processed logprobs
+    raw = torch.log_softmax(logits, -1)
+    num_top = plan(s, 20)
+    assert isinstance(num_top, int)
+    # the sampled token of each position (from the processed distribution), plus one it would have dropped
+    targets = torch.multinomial(reference.exp(), 1, generator=g).squeeze(-1) if not greedy else reference.argmax(-1)
+    dropped = reference.argmin(-1)
+    for tokens, in_support in ((targets, True), (dropped, greedy or s.temperature == 1.0 and s.top_p >= 1.0)):
+        lps = raw.gather(-1, tokens[:, None]).squeeze(-1)
+        ranks = ((raw > lps[:, None]).sum(-1) + 1).tolist()
+        tops = raw.topk(num_top, -1).values.tolist() if num_top else None
+        ours = processed(s, lps.tolist(), ranks, tops)
+        assert isinstance(ours, list)
+        want = reference.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        if in_support:
+            diff = max(abs(a - b) for a, b in zip(ours, want))
+            print(f"{case}: max |ours - vLLM| {diff:.2e}")
+            assert diff <= 2e-6
+        else:  # a token the processing drops has probability 0 on both sides
+            assert all(a == -math.inf and b == -math.inf for a, b in zip(ours, want))
+
+
+def test_what_cannot_be_recomputed_is_named():
+    cases = {
+        "structured_output": dict(structured_outputs={"regex": "a+"}),
+        "penalties": dict(presence_penalty=0.5),
+        "min_p": dict(min_p=0.1),
+        "temperature_without_top_k": dict(temperature=0.7),
+        "greedy_with_truncation": dict(temperature=0.0, top_k=5),
+        "top_k_above_limit": dict(temperature=0.7, top_k=50),
+    }
+    for reason, sampling in cases.items():
+        assert reason in SKIP_REASONS
+        assert plan(SamplingOptions.validated(**sampling), 20) == reason, reason
+    assert plan(SamplingOptions.validated(temperature=1.0, top_p=0.9), 0) == "nucleus_beyond_top_k"
+    # T = 1 with top-p: a nucleus beyond the top logprobs the engine returned cannot be known
+    flat = [math.log(1 / 1000)] * 20
+    assert processed(SamplingOptions.validated(top_p=0.9), [flat[0]], [1], [flat]) == "nucleus_beyond_top_k"
+
+
+def test_figures_merge_exactly_across_replicas():
+    a, b = CanaryStats(threshold=1e-3), CanaryStats(threshold=1e-3)
+    a.add(0, "v1", 1, [-1.0, -2.0], [-1.0, -2.0 + 2e-3])
+    a.skip("version_moved")
+    b.add(0, "v1", 1, [-0.5], [-0.5 - 1e-6])
+    b.add(1, "v1", 0, [-3.0], [-math.inf])  # a token the recompute drops
+    b.skip("version_moved")
+    b.skip("queue_full")
+    st = status_of([a.report(), b.report()], enabled=True, sample_fraction=1.0, threshold=1e-3)
+    assert st["checked"] == 3 and st["tokens"] == 4
+    assert st["skipped"] == {"queue_full": 1, "version_moved": 2}
+    assert st["max_abs_diff"] == DIFF_CAP and st["share_above_threshold"] == 0.5
+    e0, e1 = st["by_engine"]
+    assert (e0["slot"], e0["weight_version"], e0["checked"], e0["tokens"], e0["scored_on"]) == (0, "v1", 2, 3, {"1": 2})
+    assert e0["max_abs_diff"] == pytest.approx(2e-3) and e0["mean_abs_diff"] == pytest.approx((2e-3 + 1e-6) / 3)
+    assert e0["token_mult_prob_error"] == pytest.approx((1 + math.exp(2e-3) + math.exp(1e-6)) / 3)
+    assert (e1["slot"], e1["checked"], e1["max_abs_diff"]) == (1, 1, DIFF_CAP)
+    many = CanaryStats()
+    for i in range(MAX_ENTRIES + 5):
+        many.add(0, f"v{i}", 0, [-1.0], [-1.0])
+    kept = status_of([many.report()], enabled=True, sample_fraction=1.0)["by_engine"]
+    assert len(kept) == MAX_ENTRIES and kept[-1]["weight_version"] == "older" and kept[-1]["checked"] == 6
+    assert sum(e["checked"] for e in kept) == MAX_ENTRIES + 5
+
+
+def test_the_trainer_side_twin_counts_the_same_way():
+    row = TrainingRow(rollout_id="r", segment=0, input_ids=list(range(8)), loss_mask=[0, 0, 1, 1, 0, 1, 1, 1],
+                      behaviour_logprobs=[0, 0, -1.0, -2.0, 0, -0.5, -0.25, -3.0],
+                      versions=[None, None, "v1", "v1", None, "v1", "v2", "v2"], constrained=[0] * 8,
+                      turns=[TurnBounds(0, 0, 2, 4, "stop"), TurnBounds(1, 4, 5, 8, "stop")])
+    trainer = [0, 0, -1.0, -2.0 + 1e-3, 0, -0.5, -0.25 - 1e-2, -3.0]
+    out = rows_parity([row], [trainer], threshold=5e-3)
+    assert sorted(out) == ["v1", "v2"]
+    assert (out["v1"].turns, out["v1"].tokens, out["v1"].max_abs) == (2, 3, pytest.approx(1e-3))
+    assert (out["v2"].turns, out["v2"].tokens, out["v2"].above) == (1, 2, 1)
+    assert out["v2"].summary()["share_above_threshold"] == 0.5
+    # the canary counts the same pairs the same way
+    c = CanaryStats(threshold=5e-3)
+    c.add(0, "v2", 0, [-0.25, -3.0], [-0.25 - 1e-2, -3.0])
+    assert c.entries[(0, "v2")]["stats"].summary() == out["v2"].summary()
+
+
+# ----------------------------------------------------------------------------- real engines
+def canary_runner(cfg, client, store, tokenizer, **canary):
+    from rollout_service.canary.canary import Canary
+    from rollout_service.config import CanaryConfig
+    from rollout_service.serve.turns import TurnRunner
+
+    c = Canary(CanaryConfig(**({"sample_fraction": 1.0} | canary)), client, "test", max_top=cfg.engine.max_logprobs)
+    return TurnRunner(cfg, client, store, tokenizer, canary=c), c
+
+
+async def complete(runner, prompt_ids, sampling: dict, max_tokens: int = 12, stream: bool = False):
+    from rollout_service.serve.turn_types import CompletionCall, TurnResult
+
+    result = None
+    async for event in runner.run_completion(CompletionCall(prompt=list(prompt_ids), sampling=sampling,
+                                                            max_tokens=max_tokens, stream=stream)):
+        if isinstance(event, TurnResult):
+            result = event
+    return result
+
+
+async def drained(canary, expected: int, timeout: float = 120.0) -> dict:
+    """The canary's status once ``expected`` generations were counted (checked or skipped) and it is idle."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status_of([canary.stats.report()], enabled=True, sample_fraction=1.0, threshold=canary.config.threshold)
+        if st["checked"] + sum(st["skipped"].values()) >= expected and canary.idle():
+            return st
+        assert time.monotonic() < deadline, f"the canary did not finish: {st}"
+        await asyncio.sleep(0.1)
+
+
+def prompt_of(tokenizer, i: int) -> list[int]:
+    return tokenizer(f"Question {i}: list the colours of the rainbow and say why the sky is blue.")["input_ids"]
+
+
+async def test_every_drawn_generation_is_counted_and_the_parity_config_stays_below_1e5(fleet_rig, tiny_tokenizer):
+    rig = fleet_rig
+    runner, canary = canary_runner(rig.config, rig.runner.fleet, rig.store, tiny_tokenizer)
+    try:
+        checked_cases = RECOMPUTABLE[:-1]  # T = 1 with top-p: the random-weight model's nucleus is the vocabulary
+        skipped_cases = {"temperature_without_top_k": dict(temperature=0.7), "penalties": dict(frequency_penalty=0.3),
+                         "nucleus_beyond_top_k": dict(temperature=1.0, top_p=0.9)}
+        n = 0
+        for i, case in enumerate(checked_cases * 2):
+            await complete(runner, prompt_of(tiny_tokenizer, i), case | {"seed": i}, stream=i % 2 == 0)
+            n += 1
+        for i, case in enumerate(skipped_cases.values()):
+            await complete(runner, prompt_of(tiny_tokenizer, 100 + i), case | {"seed": i})
+            n += 1
+        st = await drained(canary, n)
+    finally:
+        canary.close()
+    print(f"{st['checked']} checked, skipped {st['skipped']}, max |Δ| {st['max_abs_diff']:.2e}, mean "
+          f"{st['mean_abs_diff']:.2e}, token_mult_prob_error {st['token_mult_prob_error']:.8f}; by engine "
+          f"{[(e['slot'], e['checked'], e['scored_on']) for e in st['by_engine']]}")
+    assert st["checked"] == 2 * len(checked_cases)
+    assert st["skipped"] == dict.fromkeys(skipped_cases, 1)
+    assert st["max_abs_diff"] <= PARITY
+    for e in st["by_engine"]:  # each re-scored on the other engine
+        assert list(e["scored_on"]) == [str(1 - e["slot"])]
+    assert sum(e["checked"] for e in st["by_engine"]) == st["checked"]
+
+
+async def test_an_engine_left_on_other_weights_is_caught(fleet_rig, tiny_tokenizer, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from refit_helpers import perturbed
+
+    rig = fleet_rig
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    report = await asyncio.to_thread(rig.trainer.refit, "canary-w1", perturbed(base, seed=31), transport="object_store")
+    assert report["ok"] and sorted(report["engines"]) == [0, 1]
+    runner, canary = canary_runner(rig.config, rig.runner.fleet, rig.store, tiny_tokenizer)
+    try:
+        # Behind the controller's back: engine 1 goes back to the model's own weights, keeping its label.
+        stale = next(m for m in rig.runner.fleet.members() if m.slot == 1)
+        await stale.handle.collective_rpc.remote("rs_reload_from_path", (str(tiny_model_dir),))
+        for i in range(0, 8, 2):  # two at a time: least-loaded routing puts one on each engine
+            await asyncio.gather(*(complete(runner, prompt_of(tiny_tokenizer, 200 + j), {"seed": j}) for j in (i, i + 1)))
+        st = await drained(canary, 8)
+    finally:
+        canary.close()
+        restored = await asyncio.to_thread(rig.trainer.refit, "canary-base", base, transport="object_store")
+        assert restored["ok"]
+    print("engine 1 on other weights:", [(e["slot"], e["weight_version"], e["checked"], f"{e['max_abs_diff']:.3f}",
+                                          f"{e['mean_abs_diff']:.3f}") for e in st["by_engine"]])
+    assert st["checked"] == 8 and not st["skipped"]
+    assert {e["slot"] for e in st["by_engine"]} == {0, 1}  # least loaded routing spread them
+    for e in st["by_engine"]:  # every generation was compared with the other engine's weights
+        assert e["weight_version"] == "canary-w1" and e["mean_abs_diff"] > 1e-2 and e["share_above_threshold"] > 0.5
+
+
+@pytest.fixture(scope="module")
+def raw_prefix_controller(ray_session, tiny_model_dir):
+    """One engine in raw logprobs mode with prefix caching on: two ways to break parity."""
+    from refit_helpers import running_controller
+
+    with running_controller(tiny_model_dir, enable_prefix_caching=True, logprobs_mode="raw_logprobs") as actor:
+        yield actor
+
+
+async def test_raw_logprobs_and_a_stale_prefix_cache_are_caught(raw_prefix_controller, redis_server, tiny_tokenizer,
+                                                                tiny_model_dir):
+    from safetensors.torch import load_file
+
+    from refit_helpers import perturbed
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.fleet.client import connect
+    from rollout_service.store.redis_store import RedisRolloutStore
+
+    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(tiny_model_dir)},
+                                               "store": {"redis_url": redis_server, "key_prefix": "canary"}})
+    client = await connect(raw_prefix_controller.fleet_handle)
+    store = RedisRolloutStore.from_config(cfg.store)
+    runner, canary = canary_runner(cfg, client, store, tiny_tokenizer)
+    try:
+        # 1. logprobs_mode raw at a temperature below 1 (the engine returns log-softmax(logits), not of logits / T)
+        for i in range(4):
+            await complete(runner, prompt_of(tiny_tokenizer, 300 + i), {"temperature": 0.7, "top_k": 20, "seed": i})
+        raw = await drained(canary, 4)
+        # at T = 1 raw and processed are the same: the canary stays quiet
+        for i in range(4):
+            await complete(runner, prompt_of(tiny_tokenizer, 310 + i), {"seed": i})
+        quiet = await drained(canary, 8)
+
+        # 2. a prefix-cache hit across a weight change whose salt did not change: the weights are
+        # swapped behind the controller's back, so the engine's label (and its cache salt) stay.
+        long_prompt = tiny_tokenizer(" ".join(f"fact {i} is that {i * 7} is odd or even." for i in range(40)))["input_ids"]
+        warm = await complete(runner, long_prompt, {"seed": 1})
+        assert warm is not None
+        warmed = await drained(canary, 9)
+        engine = client.members()[0].handle
+        w1 = perturbed(load_file(str(tiny_model_dir / "model.safetensors")), seed=41)
+        import ray
+
+        await engine.stage_weights_from_object_store.remote([ray.put(w1)], 60)
+        await engine.collective_rpc.remote("rs_load_staged")
+        await engine.collective_rpc.remote("rs_commit")
+        await complete(runner, long_prompt, {"seed": 2})
+        stale = await drained(canary, 10)
+    finally:
+        canary.close()
+        client.stop_watching()
+        client.close_channels()
+        await store.close()
+    def figures(st):
+        return {k: st[k] for k in ("checked", "max_abs_diff", "mean_abs_diff", "token_mult_prob_error")}
+
+    print("raw at T=0.7:", figures(raw), "| +4 at T=1:", figures(quiet), "| +stale prefix:", figures(stale))
+    assert raw["checked"] == 4 and raw["mean_abs_diff"] > 0.1 and raw["share_above_threshold"] > 0.9
+    added = quiet["tokens"] - raw["tokens"]
+    assert quiet["checked"] == 8 and added > 0
+    # the four T = 1 generations add nothing above parity: the sum of |Δ| grows by at most 1e-5 per token
+    assert quiet["mean_abs_diff"] * quiet["tokens"] - raw["mean_abs_diff"] * raw["tokens"] <= PARITY * added
+    def added_sum(a, b):  # the sum of |Δ| the generations between two readings added
+        return b["mean_abs_diff"] * b["tokens"] - a["mean_abs_diff"] * a["tokens"]
+
+    assert warmed["checked"] == 9 and added_sum(quiet, warmed) <= PARITY * (warmed["tokens"] - quiet["tokens"])
+    last = added_sum(warmed, stale) / (stale["tokens"] - warmed["tokens"])
+    print(f"the generation on the stale prefix: mean |Δ| {last:.3f}")
+    assert stale["checked"] == 10 and last > 1e-2
