@@ -13,6 +13,14 @@ if ! command -v chromium >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 
+# promtool (Debian's prometheus package) checks and unit-tests the alert rules in tests/test_deploy_manifests.py.
+if ! command -v promtool >/dev/null 2>&1; then
+  echo "[setup] installing promtool (apt prometheus, for the alert-rule tests)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+
 # NeMo Gym 0.7's own vllm_model client, for tests/test_serve_required_prefix.py. nemo-gym 0.7 declares
 # Python >= 3.13.14 and pins openai 2.44 (its Responses conversion fails on this venv's openai 3), so
 # it goes into a directory of its own, without its dependency set (mlflow, wandb, datasets, ...): the

@@ -122,13 +122,16 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def service(ray_session, redis_server, tiny_model_dir):
     """The whole app: Ray Serve (2 affinity replicas), one vLLM engine, the session's redis-server."""
-    from rollout_service.config import EngineConfig, RolloutServiceConfig, ServiceConfig, StoreConfig
+    from rollout_service.config import CanaryConfig, EngineConfig, RolloutServiceConfig, ServiceConfig, StoreConfig
     from rollout_service.ops.launcher import LocalService
 
     cfg = RolloutServiceConfig(
         engine=EngineConfig(model=str(tiny_model_dir), cpu_kvcache_space_gib=TEST_KV_GIB),
         store=StoreConfig(redis_url=redis_server, key_prefix="svc"),
         service=ServiceConfig(num_affinity_replicas=2, default_max_tokens=32),
+        # Off here: a re-scoring would add to the engine's own counters that tests count exactly
+        # (test_serve_canary.py deploys an app with it on beside this one).
+        canary=CanaryConfig(sample_fraction=0.0),
     )
     svc = LocalService(cfg, port=free_port(), log=lambda *_: None).start()
     yield svc

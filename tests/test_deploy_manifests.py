@@ -544,6 +544,27 @@ PODMONITOR_SCHEMA = {
 }
 
 
+# The subset of monitoring.coreos.com/v1 PrometheusRule that k8s/monitoring uses (the operator's API reference).
+PROMETHEUSRULE_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": PODMONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {"type": "object", "additionalProperties": False, "required": ["groups"], "properties": {
+            "groups": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["name", "rules"], "properties": {
+                    "name": {"type": "string", "minLength": 1}, "interval": _DURATION,
+                    "rules": {"type": "array", "minItems": 1, "items": {
+                        "type": "object", "additionalProperties": False, "required": ["expr"],
+                        "oneOf": [{"required": ["alert"]}, {"required": ["record"]}], "properties": {
+                            "alert": {"type": "string"}, "record": {"type": "string"},
+                            "expr": {"type": ["string", "integer"]}, "for": _DURATION,
+                            "labels": _STR_MAP, "annotations": _STR_MAP}}}}}}}},
+    },
+}
+
+
 def podmonitor_scrape_problems(docs: list[dict]) -> list[str]:
     """Each PodMonitor selects every Ray pod of the RayServices in its namespace (head and each worker
     group) and no other workload's pods, on a container port named as its endpoint's, whose number is
@@ -584,6 +605,9 @@ def document_problems(doc: dict) -> list[str]:
     kind = doc.get("kind")
     if kind == "PodMonitor":
         return [f"podmonitor: {_error_text(e)}" for e in jsonschema.Draft202012Validator(PODMONITOR_SCHEMA).iter_errors(doc)]
+    if kind == "PrometheusRule":
+        return [f"prometheusrule: {_error_text(e)}"
+                for e in jsonschema.Draft202012Validator(PROMETHEUSRULE_SCHEMA).iter_errors(doc)]
     if kind in CRD_FILES:
         problems = [f"crd: {_error_text(e)}" for e in crd_validator(kind).iter_errors(doc)]
         if kind == "RayService" and not problems:
@@ -678,6 +702,77 @@ def test_broken_podmonitor_fails_for_the_reason_it_was_broken():
     pm["spec"]["podMetricsEndpoints"][0]["interval"] = "15 seconds"
     pm["spec"]["podMetricsEndpoints"][0]["scrape_interval"] = "15s"
     assert len(document_problems(pm)) == 2
+
+
+# --------------------------------------------------------------------------- alert rules
+ALERT_RULES = ROOT / "deployments" / "prometheus" / "rollout-service-alerts.yaml"
+
+
+def test_the_alert_rules_ship_alike_in_both_places_and_query_only_series_that_exist():
+    from rollout_service.metrics import METRICS
+
+    groups = yaml.safe_load(ALERT_RULES.read_text())["groups"]
+    (rule,) = [d for d in render_kustomization(K8S / "monitoring") if d["kind"] == "PrometheusRule"]
+    assert document_problems(rule) == []
+    assert rule["spec"]["groups"] == groups
+    exported = {s for m in METRICS for s in m.exported_series()}
+    exprs = [r["expr"] for g in groups for r in g["rules"]]
+    used = {n for e in exprs for n in re.findall(r"\b(ray_[a-z_]+)", e)}
+    assert used and used <= exported, used - exported
+    for e in exprs:
+        assert e.count("(") == e.count(")") and e.count("[") == e.count("]"), e
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (apt prometheus) not installed")
+def test_promtool_accepts_the_alert_rules_and_they_fire_on_drift_only(tmp_path):
+    """promtool's rule unit test: synthetic series as the canary exports them (two replica processes of
+    engine slot 0, WorkerId apart; a healthy slot 1): the drift alert fires for slot 0 only once the
+    share above the threshold has stayed over 1 % for its 10 minutes, and the max alert on a 0.9 max."""
+    check = subprocess.run(["promtool", "check", "rules", str(ALERT_RULES)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    series = {
+        # per minute: 1000 tokens, 50 above the threshold on slot 0 (5 %), none on slot 1
+        'ray_rollout_service_canary_tokens_total{engine="0",WorkerId="a"}': "0+500x40",
+        'ray_rollout_service_canary_tokens_total{engine="0",WorkerId="b"}': "0+500x40",
+        'ray_rollout_service_canary_tokens_above_threshold_total{engine="0",WorkerId="a"}': "0+25x40",
+        'ray_rollout_service_canary_tokens_above_threshold_total{engine="0",WorkerId="b"}': "0+25x40",
+        'ray_rollout_service_canary_tokens_total{engine="1",WorkerId="a"}': "0+1000x40",
+        'ray_rollout_service_canary_tokens_above_threshold_total{engine="1",WorkerId="a"}': "0+0x40",
+        'ray_rollout_service_canary_max_abs_diff{engine="0",WorkerId="a"}': "0.9x40",
+        'ray_rollout_service_canary_max_abs_diff{engine="1",WorkerId="a"}': "0.000002x40",
+        'ray_rollout_service_canary_checked_total{engine="0",WorkerId="a"}': "0+10x40",
+        'ray_rollout_service_canary_skipped_total{reason="version_moved",WorkerId="a"}': "0+1x40",
+    }
+    drift = {"severity": "warning", "engine": "0"}
+    tests = {"rule_files": [str(ALERT_RULES)], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": k, "values": v} for k, v in series.items()],
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "RolloutServiceParityDrift", "exp_alerts": []},  # pending
+            {"eval_time": "25m", "alertname": "RolloutServiceParityDrift", "exp_alerts": [{"exp_labels": drift}]},
+            {"eval_time": "25m", "alertname": "RolloutServiceParityBroken",
+             "exp_alerts": [{"exp_labels": {"severity": "critical", "engine": "0"}}]},
+            {"eval_time": "35m", "alertname": "RolloutServiceCanaryChecksNothing", "exp_alerts": []},
+        ]}]}
+    for t in tests["tests"][0]["alert_rule_test"]:  # promtool compares annotations too: take them as written
+        for a in t["exp_alerts"]:
+            a["exp_annotations"] = _annotations(t["alertname"], a["exp_labels"], t["eval_time"])
+    path = tmp_path / "alerts_test.yaml"
+    path.write_text(yaml.safe_dump(tests))
+    out = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _annotations(alert: str, labels: dict, _eval_time: str) -> dict:
+    """The rule's annotations rendered for ``labels`` as promtool renders them ($value: the series value)."""
+    (rule,) = [r for g in yaml.safe_load(ALERT_RULES.read_text())["groups"] for r in g["rules"] if r.get("alert") == alert]
+    value = {"RolloutServiceParityDrift": "5%", "RolloutServiceParityBroken": "0.9"}[alert]
+    out = {}
+    for k, v in rule["annotations"].items():
+        v = v.replace("{{ $labels.engine }}", labels["engine"])
+        v = v.replace("{{ $value | humanizePercentage }}", value).replace("{{ $value }}", value)
+        out[k] = v
+    return out
 
 
 def test_demo_redis_url_names_a_rendered_service():

@@ -90,9 +90,38 @@ def format_status(status: dict, url: str) -> str:
         lines.append("last refit: none since the fleet started")
     ro = status.get("rollouts") or {}
     lines.append(f"stored rollouts: {cell(ro.get('stored'))} (key prefix {cell(ro.get('key_prefix'))})")
+    lines += format_canary(status.get("canary"))
     for part, err in (status.get("errors") or {}).items():
         lines.append(f"error reading {part}: {err}")
     return "\n".join(lines)
+
+
+def format_canary(canary: dict | None) -> list[str]:
+    """The parity canary's lines: the totals, then the latest weight version of each engine slot."""
+    if not canary:
+        return []
+
+    def num(v, fmt=".2e") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    skipped = canary.get("skipped") or {}
+    head = (f"parity canary: {'on' if canary.get('enabled') else 'off'} (sample fraction "
+            f"{canary.get('sample_fraction')}), {canary.get('checked', 0)} generations checked, "
+            f"{sum(skipped.values())} skipped" + (f" ({', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else ""))
+    if not canary.get("checked"):
+        return ["", head]
+    lines = ["", head + f"; max |dlogprob| {num(canary.get('max_abs_diff'))}, mean {num(canary.get('mean_abs_diff'))}"]
+    latest: dict[int, dict] = {}
+    for e in canary.get("by_engine") or []:
+        if e.get("weight_version") != "older":
+            latest[e["slot"]] = e  # entries come oldest first per slot
+    header = ("ENGINE", "VERSION", "CHECKED", "MAX |D|", "MEAN |D|", "MULT PROB ERR", "ABOVE THRESHOLD")
+    rows = [(str(slot), str(e["weight_version"]), str(e["checked"]), num(e["max_abs_diff"]), num(e["mean_abs_diff"]),
+             num(e["token_mult_prob_error"], ".6f"), num(e["share_above_threshold"], ".1%"))
+            for slot, e in sorted(latest.items())]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
