@@ -437,8 +437,9 @@ class CanaryConfig(_Strict):
     forcing on an engine at the same weight version and compared with the logprobs they were sampled with."""
 
     sample_fraction: float = Field(
-        0.01, ge=0.0, le=1.0,
-        description="Share of finished generations re-scored (a random draw per generation); 0 disables the canary.")
+        0.002, ge=0.0, le=1.0,
+        description="Share of finished generations re-scored (a random draw per generation); 0 disables the canary. "
+        "Each re-scoring is one prefill of the generation's whole context (docs/canary.md, Cost).")
     score_on: Literal["other", "same"] = Field(
         "other", description="Which engine re-scores: other (another serving engine when there is one, so an engine "
         "left on other weights shows up; else the same one) or same (the engine that sampled).")
@@ -453,6 +454,10 @@ class CanaryConfig(_Strict):
         "tokens_above_threshold metric (the alert rule reads their ratio).")
     report_interval_s: float = Field(
         1.0, gt=0, description="How often a replica sends its canary figures to the fleet, which GET /v1/status reads.")
+    max_score_tokens: int = Field(
+        8192, ge=2, description="Longest context (prompt + generation) re-scored; a longer one is skipped (too_long). "
+        "The re-scoring prefill computes full-vocabulary logits at every position: vLLM's V1 model runner holds "
+        "them for a whole prefill chunk at once (docs/canary.md, Cost).")
 
 
 class RefitConfig(_Strict):

@@ -148,10 +148,11 @@ METRICS: tuple[MetricDef, ...] = (
     _m("canary_token_mult_prob_error", "histogram", "Per compared generation: the mean over its tokens of "
        "exp(|logprob difference|) (NeMo RL's token_mult_prob_error; 1 = exact), by engine slot.", ("engine",),
        MULT_PROB_BUCKETS),
-    _m("canary_max_abs_diff", "gauge", "Largest |logprob difference| the canary saw on an engine slot's current weight "
-       "version, per replica process (take the max over replicas).", ("engine",)),
-    _m("canary_mean_abs_diff", "gauge", "Mean |logprob difference| over the tokens the canary compared on an engine slot's "
-       "current weight version, per replica process.", ("engine",)),
+    _m("canary_max_abs_diff", "gauge", "Largest |logprob difference| of the generations of an engine slot the canary "
+       "checked in the last 5 minutes, per replica process (take the max over replicas; NaN: none checked).",
+       ("engine",)),
+    _m("canary_mean_abs_diff", "gauge", "Mean |logprob difference| over the tokens of an engine slot the canary "
+       "compared in the last 5 minutes, per replica process (NaN: none).", ("engine",)),
     # ---- refit controller
     _m("refits_total", "counter", "Refits by outcome: ok, failed (rolled back, engines resumed on the previous "
        "version), rejected (another refit running, or a version label already used).", ("outcome",),
@@ -412,27 +413,27 @@ class ServiceMetrics:
     def canary_skipped(self, reason: str) -> None:
         self.series("rollout_service_canary_skipped_total", reason).record(1)
 
-    def canary_checked(self, slot: int, diffs: Iterable[float], above: int, mult_prob_error: float | None,
-                       version_max: float, version_mean: float) -> None:
+    def canary_checked(self, slot: int, diffs: list[float], above: int, mult_prob_error: float | None) -> None:
         """One compared generation of engine ``slot``: its per-token |Δ|, how many were above the
-        threshold, its token_mult_prob_error; the slot's current-version max and mean so far."""
+        threshold, its token_mult_prob_error."""
         if not self.enabled:
             return
         engine = str(slot)
         self.series("rollout_service_canary_checked_total", engine).record(1)
         hist = self.series("rollout_service_canary_abs_diff", engine)
-        n = 0
         for d in diffs:
             hist.record(d)
-            n += 1
-        if n:
-            self.series("rollout_service_canary_tokens_total", engine).record(n)
+        if diffs:
+            self.series("rollout_service_canary_tokens_total", engine).record(len(diffs))
         if above:
             self.series("rollout_service_canary_tokens_above_threshold_total", engine).record(above)
         if mult_prob_error is not None:
             self.series("rollout_service_canary_token_mult_prob_error", engine).record(mult_prob_error)
-        self._gauge("rollout_service_canary_max_abs_diff", version_max, engine)
-        self._gauge("rollout_service_canary_mean_abs_diff", version_mean, engine)
+
+    def canary_gauges(self, slot: int, max_now, mean_now) -> None:
+        """Keep engine ``slot``'s max / mean gauges, read from the callables at every refresh."""
+        self._gauge("rollout_service_canary_max_abs_diff", max_now, str(slot))
+        self._gauge("rollout_service_canary_mean_abs_diff", mean_now, str(slot))
 
     # ------------------------------------------------------------ refit controller
     def refit(self, outcome: str, report: dict[str, Any] | None = None) -> None:

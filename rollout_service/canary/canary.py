@@ -16,9 +16,12 @@ every ``canary.report_interval_s`` when they moved (``GET /v1/status`` merges th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import math
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +31,12 @@ from rollout_service.canary.stats import CanaryStats
 from rollout_service.config import CanaryConfig
 from rollout_service.engine.types import ScoreRequest
 from rollout_service.metrics import get_metrics
+from rollout_service.training.parity import DIFF_CAP
 
 logger = logging.getLogger(__name__)
 
 RESEND_S = 30.0  # a report is sent at least this often, moved or not (a restarted fleet gets it back)
+WINDOW_S = 300.0  # the max / mean gauges cover the generations checked this long ago at most
 
 
 @dataclass
@@ -48,14 +53,19 @@ class Generation:
 
 
 class Canary:
-    def __init__(self, config: CanaryConfig, fleet, replica_id: str, *, max_top: int, rng: random.Random | None = None):
-        """``fleet``: the replica's
-        :class:`~rollout_service.fleet.client.FleetClient`; ``max_top``: the engines' ``max_logprobs``."""
+    def __init__(self, config: CanaryConfig, fleet, replica_id: str, *, max_top: int,
+                 logprobs_mode: str = "processed_logprobs", rng: random.Random | None = None):
+        """``fleet``: the replica's :class:`~rollout_service.fleet.client.FleetClient`; ``max_top`` and
+        ``logprobs_mode``: the engines' ``max_logprobs`` and ``logprobs_mode``."""
         self.config = config
         self.fleet = fleet
         self.replica_id = replica_id
         self.max_top = max_top
+        self.logprobs_mode = logprobs_mode
         self.rng = rng or random.Random()
+        self._window: dict[int, collections.deque] = {}  # slot -> (time, max |Δ|, sum |Δ|, tokens) per check
+        self._window_lock = threading.Lock()  # the metrics' refresher thread reads the windows
+        self._lock = threading.Lock()  # the figures: counted in a worker thread, reported from the loop
         self.stats = CanaryStats(threshold=config.threshold)
         self.queue: asyncio.Queue[tuple[Generation, int]] = asyncio.Queue(maxsize=config.queue_size)
         self._tasks: list[asyncio.Task] = []
@@ -71,7 +81,9 @@ class Canary:
             if not self.enabled or self.rng.random() >= self.config.sample_fraction:
                 return
             self._start()
-            num_top = plan(gen.sampling, self.max_top)
+            if len(gen.prompt_ids) + len(gen.token_ids) > self.config.max_score_tokens:
+                return self._skip("too_long")
+            num_top = plan(gen.sampling, self.max_top, self.logprobs_mode)
             if isinstance(num_top, str):
                 return self._skip(num_top)
             self.queue.put_nowait((gen, num_top))
@@ -84,12 +96,22 @@ class Canary:
         """Nothing waiting or being re-scored."""
         return self.queue.empty() and not self._busy
 
+    def figures(self) -> dict[str, Any]:
+        """This replica's figures as it reports them (:meth:`CanaryStats.report`)."""
+        with self._lock:
+            return self.stats.report()
+
     def _skip(self, reason: str) -> None:
-        self.stats.skip(reason)
+        with self._lock:
+            self.stats.skip(reason)
         get_metrics().canary_skipped(reason)
 
     def _start(self) -> None:
-        if not self._tasks:
+        if not self._tasks or any(t.done() for t in self._tasks):
+            for task in self._tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    logger.error("a canary task ended: %r; restarted", task.exception())
+                task.cancel()
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._work()), loop.create_task(self._report_loop())]
 
@@ -143,15 +165,43 @@ class Canary:
             return "version_moved"
         if not result.logprobs:
             return "empty"
-        recomputed = processed(gen.sampling, result.logprobs, result.ranks, result.top_logprobs)
+        # The recompute and the per-token records are pure Python over every token: off the event loop
+        # that streams the answers.
+        return await asyncio.to_thread(self._compare, gen, version, member.slot, result)
+
+    def _compare(self, gen: Generation, version: str, scored_on: int, result) -> str | None:
+        recomputed = processed(gen.sampling, result.logprobs, result.top_logprobs)
         if isinstance(recomputed, str):
             return recomputed
         behaviour = gen.logprobs[: len(recomputed)]
-        turn = self.stats.add(gen.slot, version, member.slot, behaviour, recomputed)
-        current = self.stats.entries[(gen.slot, version)]["stats"]
-        get_metrics().canary_checked(gen.slot, (min(abs(r - b), 100.0) for b, r in zip(behaviour, recomputed)),
-                                     turn.above, turn.token_mult_prob_error, current.max_abs, current.mean_abs or 0.0)
+        with self._lock:
+            turn = self.stats.add(gen.slot, version, scored_on, behaviour, recomputed)
+        diffs = [min(abs(r - b), DIFF_CAP) if math.isfinite(r) else DIFF_CAP
+                 for b, r in zip(behaviour, recomputed) if r is not None]
+        with self._window_lock:
+            new = gen.slot not in self._window
+            self._window.setdefault(gen.slot, collections.deque()).append(
+                (time.monotonic(), max(diffs, default=0.0), sum(diffs), len(diffs)))
+        if new:  # (outside the lock: the gauge reads its window at once)
+            slot = gen.slot
+            get_metrics().canary_gauges(slot, lambda: self._window_figure(slot, "max"),
+                                        lambda: self._window_figure(slot, "mean"))
+        get_metrics().canary_checked(gen.slot, diffs, turn.above, turn.token_mult_prob_error)
         return None
+
+    def _window_figure(self, slot: int, which: str) -> float:
+        """Max or mean |Δ| over the generations of ``slot`` checked in the last WINDOW_S (NaN: none)."""
+        horizon = time.monotonic() - WINDOW_S
+        with self._window_lock:
+            window = self._window.get(slot, ())
+            while window and window[0][0] < horizon:
+                window.popleft()
+            if not window:
+                return math.nan
+            if which == "max":
+                return max(w[1] for w in window)
+            tokens = sum(w[3] for w in window)
+            return sum(w[2] for w in window) / tokens if tokens else math.nan
 
     def _scorer(self, slot: int):
         members = self.fleet.members()
@@ -176,7 +226,7 @@ class Canary:
     async def report(self) -> bool:
         """Send this replica's figures to the fleet now; False if it could not be reached in time."""
         try:
-            await asyncio.wait_for(self.fleet.fleet.report_canary.remote(self.replica_id, self.stats.report()),
+            await asyncio.wait_for(self.fleet.fleet.report_canary.remote(self.replica_id, self.figures()),
                                    timeout=5.0)
             return True
         except Exception as exc:

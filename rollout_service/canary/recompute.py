@@ -27,32 +27,41 @@ import math
 from typing import Sequence
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+# A top-p decision closer than this (in probability) to p is left out of the comparison: vLLM decides it
+# in float32 over the decode step's logits (on a GPU in a Triton pivot search), the recompute in
+# float64 over the prefill's, and the two may fall on different sides.
+NUCLEUS_TOLERANCE = 1e-4
 
 # Why a drawn generation was not compared (GET /v1/status canary.skipped, the skipped metric's label).
 SKIP_REASONS = (
-    "queue_full", "structured_output", "penalties", "min_p", "temperature_without_top_k", "greedy_with_truncation",
-    "top_k_above_limit", "nucleus_beyond_top_k", "version_moved", "migrated", "no_engine", "engine_cannot_score",
-    "score_failed", "score_timeout", "empty",
+    "queue_full", "structured_output", "penalties", "min_p", "tiny_temperature", "temperature_without_top_k",
+    "top_k_above_limit", "nucleus_beyond_top_k", "logits_mode", "too_long", "version_moved", "migrated",
+    "no_engine", "engine_cannot_score", "score_failed", "score_timeout", "empty",
 )
+LOGPROB_MODES = ("processed_logprobs", "raw_logprobs")  # engine.logprobs_mode values that return logprobs
 
 
-def plan(sampling, max_top: int) -> int | str:
+def plan(sampling, max_top: int, logprobs_mode: str = "processed_logprobs") -> int | str:
     """How many raw top logprobs per position the recompute of a generation sampled with ``sampling``
     (:class:`~rollout_service.engine.sampling.SamplingOptions`) needs, or the reason it cannot be
-    recomputed. ``max_top``: the most the engine returns (its ``max_logprobs``)."""
+    recomputed. ``max_top``: the most the engine returns (its ``max_logprobs``); top-k = k asks for
+    k + 1 where it can, to see a tie at the cut. ``logprobs_mode``: the engine's (in a logits mode it
+    returns logits, and its prompt scores are logits too: nothing to compare)."""
+    if logprobs_mode not in LOGPROB_MODES:
+        return "logits_mode"
     if sampling.structured_outputs:
         return "structured_output"
     if sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0:
         return "penalties"
+    if sampling.temperature < GREEDY_EPS:
+        # vLLM turns top-k / top-p / min-p off for greedy sampling (SamplingParams.__post_init__), so its
+        # processed logprob is the raw one; a temperature in (0, 1e-5) is divided by in Model Runner V2.
+        return 0 if sampling.temperature == 0 else "tiny_temperature"
     if sampling.min_p > 0:
         return "min_p"
     top_k = sampling.top_k if sampling.top_k > 0 else 0
-    if sampling.temperature < GREEDY_EPS:
-        # vLLM scores a greedy row with top-k / top-p applied in a mixed batch and without them in an
-        # all-greedy one: which one it was is not known afterwards.
-        return "greedy_with_truncation" if top_k or sampling.top_p < 1.0 else 0
     if top_k:
-        return top_k if top_k <= max_top else "top_k_above_limit"
+        return min(top_k + 1, max_top) if top_k <= max_top else "top_k_above_limit"
     if sampling.temperature != 1.0:
         return "temperature_without_top_k"
     if sampling.top_p < 1.0:
@@ -60,46 +69,54 @@ def plan(sampling, max_top: int) -> int | str:
     return 0
 
 
-def processed(sampling, logprobs: Sequence[float], ranks: Sequence[int],
-              tops: Sequence[Sequence[float]] | None) -> list[float] | str:
-    """The processed logprob of each scored token (``logprobs`` raw, ``ranks`` 1-based, ``tops`` the
-    raw top logprobs per position, descending, as :func:`plan` asked), or the skip reason. A token the
-    processing would have dropped gets -inf (it could not have been sampled)."""
+def processed(sampling, logprobs: Sequence[float], tops: Sequence[Sequence[float]] | None) -> list[float | None] | str:
+    """The processed logprob of each scored token (``logprobs`` raw, ``tops`` the raw top logprobs per
+    position, descending, as :func:`plan` asked), or the skip reason. A token the processing drops
+    gets -inf (it could not have been sampled); a position whose kept set cannot be known for sure
+    (a tie at the top-k cut, a top-p decision within :data:`NUCLEUS_TOLERANCE` of p) gets None."""
     top_k = sampling.top_k if sampling.top_k > 0 else 0
     t, p = sampling.temperature, sampling.top_p
     if t < GREEDY_EPS or (t == 1.0 and not top_k and p >= 1.0):
         return [float(x) for x in logprobs]
     if tops is None:
         raise ValueError("the recompute of this sampling needs the top logprobs per position")
-    out: list[float] = []
-    for lp, rank, top in zip(logprobs, ranks, tops):
+    out: list[float | None] = []
+    for lp, top in zip(logprobs, tops):
         if top_k:
+            if len(top) > top_k and top[top_k] == top[top_k - 1]:
+                out.append(None)  # a tie at the cut: vLLM's CPU path keeps both, its GPU path one of them
+                continue
             scaled = [x / t for x in top[:top_k]]
-            kept = _nucleus(scaled, p, normalized=False) if p < 1.0 else len(scaled)
+            z = _logsumexp(scaled)
+            kept = len(scaled) if p >= 1.0 else _nucleus([x - z for x in scaled], p)
+            me = lp / t
         else:  # T = 1: the raw top logprobs are the probabilities themselves
-            if sum(math.exp(x) for x in top) < p:
+            if sum(math.exp(x) for x in top) < p + NUCLEUS_TOLERANCE:
                 return "nucleus_beyond_top_k"
-            scaled = list(top)
-            kept = _nucleus(scaled, p, normalized=True)
-        if rank > kept:
+            scaled, me = list(top), lp
+            kept = _nucleus(scaled, p)
+        if kept is None:
+            out.append(None)
+            continue
+        if me < scaled[kept - 1]:  # below the last kept value: dropped
             out.append(-math.inf)
             continue
-        out.append(lp / (t if top_k else 1.0) - _logsumexp(scaled[:kept]))
+        out.append(me - _logsumexp(scaled[:kept]))
     return out
 
 
-def _nucleus(scaled: Sequence[float], p: float, *, normalized: bool) -> int:
-    """How many of ``scaled`` (descending log-weights) vLLM's top-p keeps: token i goes once the
+def _nucleus(logprobs: Sequence[float], p: float) -> int | None:
+    """How many of ``logprobs`` (descending, normalized) vLLM's top-p keeps: token i goes once the
     probability of the tokens before it reaches p (vLLM masks where the ascending cumulative sum is
-    ≤ 1 − p); at least one stays. ``normalized``: the weights are already log-probabilities over the
-    whole vocabulary (else they are normalized over themselves)."""
-    z = 0.0 if normalized else _logsumexp(scaled)
+    ≤ 1 − p); at least one stays. None when that decision is within NUCLEUS_TOLERANCE of p."""
     before = 0.0
-    for i, x in enumerate(scaled):
+    for i, x in enumerate(logprobs):
+        if i and abs(before - p) < NUCLEUS_TOLERANCE:
+            return None
         if i and before >= p:
             return i
-        before += math.exp(x - z)
-    return len(scaled)
+        before += math.exp(x)
+    return len(logprobs)
 
 
 def _logsumexp(xs: Sequence[float]) -> float:

@@ -8,6 +8,7 @@ restarted (it keeps reports in memory), is made whole by the replica's next one.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any, Iterable, Mapping
 
@@ -35,6 +36,7 @@ class CanaryStats:
             entry = self.entries[(slot, version)] = {"stats": ParityStats(threshold=self.threshold), "scored_on": Counter()}
             self._prune()
         entry["scored_on"][scored_on] += 1
+        entry["last_seen"] = time.time()
         self.changes += 1
         return entry["stats"].add(behaviour, recomputed)
 
@@ -43,15 +45,18 @@ class CanaryStats:
             (slot, version), old = next(iter(self.entries.items()))
             del self.entries[(slot, version)]
             into = self.entries.setdefault((slot, OLDER), {"stats": ParityStats(threshold=self.threshold),
-                                                           "scored_on": Counter()})
+                                                           "scored_on": Counter(), "last_seen": 0.0})
             into["stats"].merge(old["stats"])
             into["scored_on"].update(old["scored_on"])
+            into["last_seen"] = max(into["last_seen"], old.get("last_seen", 0.0))
 
     def report(self) -> dict[str, Any]:
-        """JSON-able sums (what a replica sends to the fleet)."""
-        return {"threshold": self.threshold, "skipped": dict(self.skipped),
+        """JSON-able sums (what a replica sends to the fleet). ``seq`` grows with every record: the fleet
+        keeps a replica's report with the highest (a late, older one does not replace a newer one)."""
+        return {"seq": self.changes, "threshold": self.threshold, "skipped": dict(self.skipped),
                 "entries": [{"slot": slot, "weight_version": version, "stats": e["stats"].to_dict(),
-                             "scored_on": {str(k): v for k, v in e["scored_on"].items()}}
+                             "scored_on": {str(k): v for k, v in e["scored_on"].items()},
+                             "last_seen": e.get("last_seen", 0.0)}
                             for (slot, version), e in self.entries.items()]}
 
 
@@ -59,7 +64,8 @@ def status_of(reports: Iterable[Mapping[str, Any]], *, enabled: bool, sample_fra
               threshold: float = DEFAULT_THRESHOLD) -> dict[str, Any]:
     """``GET /v1/status``'s ``canary``: every replica's report merged. ``checked``: generations compared;
     ``skipped``: drawn but not compared, by reason; the figures over every compared token; ``by_engine``:
-    per (slot, weight version) of the engine that sampled (``scored_on``: which slots re-scored them)."""
+    per (slot, weight version) of the engine that sampled (``scored_on``: which slots re-scored them),
+    each slot's entries in the order they were last checked (``last_checked_at``, Unix seconds)."""
     total = ParityStats(threshold=threshold)
     skipped: Counter[str] = Counter()
     merged: dict[tuple[int, str], dict[str, Any]] = {}
@@ -69,20 +75,25 @@ def status_of(reports: Iterable[Mapping[str, Any]], *, enabled: bool, sample_fra
             stats = ParityStats.from_dict(e["stats"])
             total.merge(stats)
             m = merged.setdefault((int(e["slot"]), str(e["weight_version"])),
-                                  {"stats": ParityStats(threshold=stats.threshold), "scored_on": Counter()})
+                                  {"stats": ParityStats(threshold=stats.threshold), "scored_on": Counter(),
+                                   "last_seen": 0.0})
             m["stats"].merge(stats)
+            m["last_seen"] = max(m["last_seen"], float(e.get("last_seen") or 0.0))
             m["scored_on"].update({int(k): v for k, v in (e.get("scored_on") or {}).items()})
     summary = total.summary()
     by_engine = []
-    for (slot, version), m in sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1] == OLDER)):
+    for (slot, version), m in sorted(merged.items(), key=lambda kv: (kv[0][0], kv[1]["last_seen"])):
         s = m["stats"].summary()
         by_engine.append({"slot": slot, "weight_version": version, "checked": s["turns"], "tokens": s["tokens"],
                           "max_abs_diff": s["max_abs_diff"], "mean_abs_diff": s["mean_abs_diff"],
                           "token_mult_prob_error": s["token_mult_prob_error"],
-                          "share_above_threshold": s["share_above_threshold"],
-                          "scored_on": {str(k): v for k, v in sorted(m["scored_on"].items())}})
+                          "share_above_threshold": s["share_above_threshold"], "dropped": s["dropped"],
+                          "ambiguous": s["ambiguous"],
+                          "scored_on": {str(k): v for k, v in sorted(m["scored_on"].items())},
+                          "last_checked_at": m["last_seen"] or None})
     return {"enabled": enabled, "sample_fraction": sample_fraction, "threshold": threshold,
             "checked": summary["turns"], "skipped": dict(sorted(skipped.items())), "tokens": summary["tokens"],
             "max_abs_diff": summary["max_abs_diff"], "mean_abs_diff": summary["mean_abs_diff"],
             "token_mult_prob_error": summary["token_mult_prob_error"],
-            "share_above_threshold": summary["share_above_threshold"], "by_engine": by_engine}
+            "share_above_threshold": summary["share_above_threshold"], "dropped": summary["dropped"],
+            "ambiguous": summary["ambiguous"], "by_engine": by_engine}

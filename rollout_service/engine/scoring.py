@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
-from rollout_service.engine.types import ScoreRequest, ScoreResult
+from rollout_service.engine.types import EngineUnavailable, ScoreRequest, ScoreResult
 
 
 class Scoring:
@@ -45,9 +45,11 @@ class Scoring:
             if not finished:
                 with contextlib.suppress(Exception):
                     await llm.abort(request.request_id)
-        if final is None or final.prompt_logprobs is None:
-            return ScoreResult(weight_version=None, engine_index=self.index)
-        flat = final.prompt_logprobs  # vllm.logprobs.FlatLogprobs: position j -> [ids[j], top 1..k]
+        flat = None if final is None else final.prompt_logprobs  # FlatLogprobs: position j -> [ids[j], top 1..k]
+        reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
+        if flat is None or len(flat) != len(ids) or reason == "abort":
+            raise EngineUnavailable(f"engine {self.index}: scoring request {request.request_id} ended without its "
+                                    f"prompt logprobs (finish reason {reason})")
         lps, ranks, tops = [], [], [] if request.num_top else None
         for j in range(start, len(ids)):
             a, b = flat.start_indices[j], flat.end_indices[j]

@@ -45,6 +45,7 @@ from rollout_service.metrics import get_metrics
 logger = logging.getLogger(__name__)
 
 FLEET_NAME = "rollout-service-fleet"  # fleet_name(default instance_name)
+MAX_CANARY_REPORTS = 256  # data-plane replicas whose parity canary figures the fleet keeps (docs/canary.md)
 
 
 @dataclass
@@ -447,11 +448,18 @@ class EngineFleet(CurrentWeights, Adoption):
         self._pin_moves += 1
 
     def report_canary(self, replica: str, report: dict) -> None:
-        """A data-plane replica's parity canary figures (cumulative: the last one replaces the one before)."""
+        """A data-plane replica's parity canary figures (cumulative: a report replaces the replica's
+        previous one unless it is older, by its ``seq``). The reports of the MAX_CANARY_REPORTS replicas
+        heard from last are kept (those of replicas gone since too: their turns were checked)."""
+        old = self._canary_reports.pop(replica, None)
+        if old is not None and old.get("seq", 0) > report.get("seq", 0):
+            report = old
         self._canary_reports[replica] = report
+        while len(self._canary_reports) > MAX_CANARY_REPORTS:
+            self._canary_reports.pop(next(iter(self._canary_reports)))
 
     def canary_reports(self) -> list[dict]:
-        """Every replica's last canary report (those of replicas gone since are kept: their turns were checked)."""
+        """The replicas' last canary reports."""
         return list(self._canary_reports.values())
 
     def engine_config(self) -> dict:

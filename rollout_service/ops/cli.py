@@ -112,9 +112,9 @@ def format_canary(canary: dict | None) -> list[str]:
         return ["", head]
     lines = ["", head + f"; max |dlogprob| {num(canary.get('max_abs_diff'))}, mean {num(canary.get('mean_abs_diff'))}"]
     latest: dict[int, dict] = {}
-    for e in canary.get("by_engine") or []:
+    for e in canary.get("by_engine") or []:  # each slot's entries in the order they were last checked
         if e.get("weight_version") != "older":
-            latest[e["slot"]] = e  # entries come oldest first per slot
+            latest[e["slot"]] = e
     header = ("ENGINE", "VERSION", "CHECKED", "MAX |D|", "MEAN |D|", "MULT PROB ERR", "ABOVE THRESHOLD")
     rows = [(str(slot), str(e["weight_version"]), str(e["checked"]), num(e["max_abs_diff"]), num(e["mean_abs_diff"]),
              num(e["token_mult_prob_error"], ".6f"), num(e["share_above_threshold"], ".1%"))

@@ -166,7 +166,8 @@ class RolloutService(ForwardingReplica):
                 client.on_fleet_restart.append(lambda: self._reattach(client))
                 canary = None
                 if self.config.canary.sample_fraction > 0:
-                    canary = Canary(self.config.canary, client, self.replica_id, max_top=self.config.engine.max_logprobs)
+                    canary = Canary(self.config.canary, client, self.replica_id, max_top=self.config.engine.max_logprobs,
+                                    logprobs_mode=self.config.engine.logprobs_mode)
                 runner = TurnRunner(self.config, client, store, tokenizer, canary=canary)
                 try:
                     await asyncio.to_thread(runner.warm)

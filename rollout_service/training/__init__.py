@@ -5,7 +5,8 @@ docs/training.md says what every field means."""
 
 from rollout_service.training.diagnostics import StepDiagnostics, step_diagnostics
 from rollout_service.training.grpo import group_advantages
+from rollout_service.training.parity import ParityStats, rows_parity
 from rollout_service.training.rows import Batch, TrainingRow, TurnBounds, collate, rows_from_trajectory
 
-__all__ = ["Batch", "StepDiagnostics", "TrainingRow", "TurnBounds", "collate", "group_advantages",
-           "rows_from_trajectory", "step_diagnostics"]
+__all__ = ["Batch", "ParityStats", "StepDiagnostics", "TrainingRow", "TurnBounds", "collate", "group_advantages",
+           "rows_from_trajectory", "rows_parity", "step_diagnostics"]

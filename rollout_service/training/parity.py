@@ -2,8 +2,10 @@
 parity canary reports (``GET /v1/status`` ``canary``, :mod:`rollout_service.canary`) and a trainer
 computes from its own forward pass (:func:`rows_parity`), so the two can be read side by side.
 
-Per token, |Δ| = |recomputed logprob − behaviour logprob| (a non-finite one, a token the recompute
-gives no probability at all, counts as :data:`DIFF_CAP`). Over a set of tokens:
+Per token, |Δ| = |recomputed logprob − behaviour logprob|, capped at :data:`DIFF_CAP` (a token the
+recompute gives no probability at all counts as the cap, and as ``dropped``; a recompute of None,
+a position whose recompute is ambiguous, is left out and counted as ``ambiguous``). Over a set of
+tokens:
 
 - ``max_abs_diff``, ``mean_abs_diff``;
 - ``token_mult_prob_error``: the mean over tokens of exp(|Δ|), NeMo RL's ``token_mult_prob_error``
@@ -22,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from rollout_service.training.rows import TrainingRow
 
-DIFF_CAP = 100.0  # |Δ| of a token the recompute gives probability 0 (or a NaN): counted, not infinite
+DIFF_CAP = 10.0  # |Δ| of a token the recompute gives probability 0 (or a NaN): counted, not infinite
 DEFAULT_THRESHOLD = 1e-3
 
 
@@ -36,15 +38,21 @@ class ParityStats:
     max_abs: float = 0.0
     sum_exp_abs: float = 0.0
     above: int = 0
+    dropped: int = 0
+    ambiguous: int = 0
     threshold: float = DEFAULT_THRESHOLD
 
-    def add(self, behaviour: Sequence[float], recomputed: Sequence[float]) -> "ParityStats":
+    def add(self, behaviour: Sequence[float], recomputed: Sequence[float | None]) -> "ParityStats":
         """Count one turn's tokens (pairs up to the shorter sequence); returns the turn's own stats."""
         turn = ParityStats(turns=1, threshold=self.threshold)
         for b, r in zip(behaviour, recomputed):
+            if r is None:
+                turn.ambiguous += 1
+                continue
             d = abs(r - b)
             if not math.isfinite(d):
                 d = DIFF_CAP
+                turn.dropped += 1
             d = min(d, DIFF_CAP)
             turn.tokens += 1
             turn.sum_abs += d
@@ -61,6 +69,8 @@ class ParityStats:
         self.max_abs = max(self.max_abs, other.max_abs)
         self.sum_exp_abs += other.sum_exp_abs
         self.above += other.above
+        self.dropped += other.dropped
+        self.ambiguous += other.ambiguous
         return self
 
     @property
@@ -79,7 +89,8 @@ class ParityStats:
         """The reported figures (None where no token was compared)."""
         return {"turns": self.turns, "tokens": self.tokens, "max_abs_diff": self.max_abs if self.tokens else None,
                 "mean_abs_diff": self.mean_abs, "token_mult_prob_error": self.token_mult_prob_error,
-                "share_above_threshold": self.share_above, "threshold": self.threshold}
+                "share_above_threshold": self.share_above, "threshold": self.threshold, "dropped": self.dropped,
+                "ambiguous": self.ambiguous}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
