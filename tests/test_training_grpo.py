@@ -69,3 +69,31 @@ def test_grpo_steps_through_the_service_are_on_policy_and_refit_each_step(servic
     assert set(REQUIRED) <= set(table[0]) and [int(t["step"]) for t in table] == [0, 1, 2]
     assert (tmp_path / "run" / "curves.png").stat().st_size > 10_000
     assert torch.isfinite(torch.tensor([float(t["reward_mean"]) for t in table])).all()
+
+
+def test_the_naive_baseline_retokenizes_and_puts_the_reported_logprobs_on_by_position(tiny_tokenizer):
+    """--baseline naive's rows: the final conversation re-rendered and re-tokenized; an answer sampled
+    as a non-canonical split of its text gets its logprobs on the canonical tokens, by position."""
+    grpo = _example()
+    tok = tiny_tokenizer
+    pieces = ["Hel", "lo", " wor", "ld"]  # how a sampler may have produced " Hello world"'s text
+    sampled = [i for p in pieces for i in tok.encode(p, add_special_tokens=False)]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "Hello world"}, {"role": "user", "content": "[tool] 2 words."},
+                {"role": "assistant", "content": "ok"}]
+    answers = [sampled + [im_end], tok.encode("ok", add_special_tokens=False) + [im_end]]
+    record = {"naive": True, "messages": messages, "turns": [
+        {"generation_token_ids": ids, "logprobs": [-0.1 * (j + 1) for j in range(len(ids))],
+         "weight_versions": [{"version": "v1", "start": 0, "end": len(ids)}]} for ids in answers]}
+    row = grpo.naive_row(record, tok)
+    rendered = tok.encode(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    assert row.input_ids == rendered
+    first = row.turns[0]
+    canonical = row.input_ids[first.gen_start:first.gen_end]
+    assert canonical != sampled[: len(canonical)]  # the trainer's ids are not the ones sampled
+    assert row.behaviour_logprobs[first.gen_start:first.gen_end] == record["turns"][0]["logprobs"][: len(canonical)]
+    assert len(canonical) < len(sampled) + 1  # fewer canonical tokens: the tail of the reported logprobs is lost
+    assert sum(row.loss_mask) == sum(t.gen_end - t.gen_start for t in row.turns)
+    assert {row.versions[i] for i, m in enumerate(row.loss_mask) if m} == {"v1"}
+    assert grpo.reward_of(record, 20_000) == sum(i < 20_000 for ids in answers for i in ids) / sum(map(len, answers))

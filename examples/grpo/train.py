@@ -83,6 +83,8 @@ class GRPOTrainer:
         self.top_k = top_k
         self.temperature = temperature
         self.client = TrainerClient(controller, timeout_s=120)
+        self.model_path = model_path
+        self.tokenizer = None  # --baseline naive: the trainer re-renders and re-tokenizes the conversations
         self.prefix = f"grpo-{uuid.uuid4().hex[:6]}"
         # The service serves exactly the trainer's starting weights (it may have been refitted before).
         init = f"{self.prefix}-init"
@@ -117,11 +119,20 @@ class GRPOTrainer:
             entropy = torch.cat([zero, -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)])
         return picked, full, entropy
 
+    def _rows(self, record: dict) -> list:
+        if not record.get("naive"):
+            return rows_from_trajectory(record, include_constrained=False)
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return [naive_row(record, self.tokenizer)]
+
     def step(self, step: int, trajectories: list[dict], advantages: list[float]) -> dict:
         torch = self.torch
         rows, row_adv = [], []
         for traj, adv in zip(trajectories, advantages):
-            for row in rows_from_trajectory(traj, include_constrained=False):
+            for row in self._rows(traj):
                 rows.append(row)
                 row_adv.append(adv)
         before, before_full, entropies = [], [], []
@@ -155,25 +166,70 @@ class GRPOTrainer:
 
 
 def reward_of(trajectory: dict, frequent_ids: int) -> float:
-    ids = [i for seg in trajectory["segments"] for i, m in zip(seg["token_ids"], seg["loss_mask"]) if m]
+    if trajectory.get("naive"):  # the ids the engine sampled, as each answer reported them
+        ids = [i for turn in trajectory["turns"] for i in turn["generation_token_ids"]]
+    else:
+        ids = [i for seg in trajectory["segments"] for i, m in zip(seg["token_ids"], seg["loss_mask"]) if m]
     return sum(1 for i in ids if i < frequent_ids) / len(ids) if ids else 0.0
 
 
+def naive_row(record: dict, tokenizer):
+    """What a naive stack trains on: the final conversation re-rendered by the chat template and
+    re-tokenized; each assistant message's tokens (found by rendering the conversation up to it) get
+    the logprobs the engine reported for that answer, position by position, as far as both go (a
+    re-tokenization that changed the count shifts them, and the tail goes untrained)."""
+    from rollout_service.training import TrainingRow, TurnBounds
+
+    messages = record["messages"]
+
+    def ids_of(upto: int, generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = ids_of(len(messages), False)
+    mask, behaviour, versions, bounds = [0] * len(ids), [0.0] * len(ids), [None] * len(ids), []
+    turns = iter(record["turns"])
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        turn = next(turns)
+        start, end = len(ids_of(k, True)), min(len(ids_of(k + 1, False)), len(ids))
+        by_position = [v for v, a, b in ((s["version"], s["start"], s["end"]) for s in turn["weight_versions"])
+                       for _ in range(a, b)]
+        n = max(0, min(end - start, len(turn["logprobs"])))
+        for j in range(n):
+            mask[start + j], behaviour[start + j], versions[start + j] = 1, turn["logprobs"][j], by_position[j]
+        bounds.append(TurnBounds(turn=len(bounds), prompt_start=0, gen_start=start, gen_end=start + n,
+                                 finish_reason="stop"))
+    return TrainingRow(rollout_id=None, segment=0, input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
+                       versions=versions, constrained=[0] * len(ids), turns=bounds)
+
+
 async def rollout(client: httpx.AsyncClient, prompt: str, args, rng: random.Random) -> dict:
-    """One multi-turn, tool-using rollout; returns its trajectory as the service stored it."""
+    """One multi-turn, tool-using rollout; returns its trajectory as the service stored it. Naive
+    (``--baseline naive``): no rollout id and no echoed ids, so the service renders every prompt from
+    the messages' text (the history re-templated and re-tokenized, as a plain OpenAI server does);
+    returns the final messages and each answer's sampled ids, logprobs and weight versions."""
+    naive = getattr(args, "baseline", None) == "naive"
     rid = f"grpo-{uuid.uuid4().hex[:12]}"
-    headers = {"X-Rollout-Id": rid}
+    headers = {} if naive else {"X-Rollout-Id": rid}
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+    turns = []
     for turn in range(2):
         r = await client.post("/v1/chat/completions", headers=headers, json={
             "model": args.model, "messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "seed": rng.randrange(2**31), **({"top_k": args.top_k} if args.top_k > 0 else {})})
         if r.status_code != 200:
             raise RuntimeError(f"{rid} turn {turn + 1}: {r.status_code} {r.text[:300]}")
-        answer = r.json()["choices"][0]["message"]["content"] or ""
+        message = r.json()["choices"][0]["message"]
+        answer = message["content"] or ""
+        turns.append({"generation_token_ids": message["generation_token_ids"],
+                      "logprobs": message["generation_log_probs"], "weight_versions": message["weight_versions"]})
         messages.append({"role": "assistant", "content": answer})
         if turn == 0:  # the tool: inspects the answer; its output is the next message
             messages.append({"role": "user", "content": f"[tool: word_count] {len(answer.split())} words. Continue."})
+    if naive:
+        return {"naive": True, "messages": messages, "turns": turns}
     r = await client.get(f"/v1/rollouts/{rid}")
     r.raise_for_status()
     return r.json()
@@ -263,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", choices=("naive", "raw-logprobs"),
                    help="raw-logprobs: the same loop on a service that reports vLLM's default raw logprobs "
                    "(engine.logprobs_mode raw_logprobs) with the agents at --temperature (0.7 unless given); "
-                   "naive (re-rendered, re-tokenized histories): not built yet")
+                   "naive: the agents call without a rollout id or echoed ids (every prompt re-rendered from the "
+                   "messages' text) and the trainer re-renders and re-tokenizes each final conversation, putting each "
+                   "answer's reported logprobs on its tokens by position")
     p.add_argument("--temperature", type=float, help="the agents' sampling temperature (default 1.0; 0.7 with "
                    "--baseline raw-logprobs)")
     p.add_argument("--sync", action="store_true", help="collect each step's rollouts after the previous refit "
@@ -280,9 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.baseline == "naive":
-        print("--baseline naive is not built yet (docs/training.md)", file=sys.stderr)
-        return 2
     if args.temperature is None:
         args.temperature = 0.7 if args.baseline == "raw-logprobs" else 1.0
     logprobs_mode = "raw_logprobs" if args.baseline == "raw-logprobs" else "processed_logprobs"
