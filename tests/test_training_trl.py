@@ -6,7 +6,8 @@ examples/grpo/trl_train.py).
   environment mask, a version per generated id; an edited (forked) history is refused by name.
 - Two TRL steps on the test session's service: TRL's own recompute of the sampled tokens is within
   float32 noise of the service's logprobs (its importance-sampling correction reads ~1), every step's
-  rollouts were sampled by the weights TRL pushed before it, and the service serves the last push.
+  rollouts were sampled by the weights TRL pushed before it, a refit follows each optimizer step,
+  and the service serves the last one.
 """
 
 from __future__ import annotations
@@ -61,6 +62,40 @@ def test_attach_refuses_a_trainer_without_a_rollout_func():
         attach(Trainer(), ServiceWeightSync(None, dict, "x"))
 
 
+def test_one_push_per_optimizer_step():
+    """The callback after a step and TRL's hook before the next generation: one refit for that step."""
+    class Client:
+        def __init__(self):
+            self.refits = []
+
+        def refit(self, version, state_dict, transport):
+            self.refits.append(version)
+            return {"ok": True, "stall_s": 0.0}
+
+    class State:
+        global_step = 0
+        is_world_process_zero = True
+
+    class Trainer:
+        rollout_func = object()
+        state = State()
+        callbacks: list = []
+
+        def add_callback(self, cb):
+            self.callbacks.append(cb)
+
+    client, trainer = Client(), Trainer()
+    sync = ServiceWeightSync(client, dict, "t")
+    attach(trainer, sync)
+    assert trainer.use_vllm and trainer.vllm_generation is sync and trainer._last_loaded_step == -1
+    sync.sync_weights()  # TRL's hook before the first generation: the starting weights
+    for step in (1, 2):
+        trainer.state.global_step = step
+        trainer.callbacks[0].on_step_end(None, trainer.state, None)  # after the optimizer step
+        sync.sync_weights()  # TRL's hook before the next generation: nothing new
+    assert client.refits == ["t-0", "t-1", "t-2"]
+
+
 def _example():
     spec = importlib.util.spec_from_file_location("trl_train", ROOT / "examples" / "grpo" / "trl_train.py")
     module = importlib.util.module_from_spec(spec)
@@ -98,6 +133,8 @@ def test_trls_grpo_trainer_trains_through_the_service_on_its_exact_tokens(servic
         # history or raw logprobs put it at 0)
         assert r["logp_diff_max"] < 1e-4 and abs(r["is_ratio_min"] - 1) < 1e-3 and abs(r["is_ratio_max"] - 1) < 1e-3
     versions = [r["weight_version"] for r in rows]
-    assert len(set(versions)) == 2 and served == versions[-1]  # a push before each step's rollouts
+    assert len(set(versions)) == 2  # each step's rollouts sampled by the weights pushed before it
+    # pushed: the starting weights, then after each optimizer step; the service serves the last
+    assert served == f"{versions[0].rsplit('-', 1)[0]}-2"
     with open(tmp_path / "run" / "metrics.csv") as f:
         assert f.readline().strip().split(",")[:3] == ["step", "reward_mean", "logp_diff_mean"]

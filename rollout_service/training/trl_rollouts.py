@@ -11,10 +11,11 @@ every completion token beside them; :func:`rollout_output` a batch of them into 
 return value.
 
 Weights: :class:`ServiceWeightSync` pushes the trainer's weights to the service with a
-``TrainerClient`` (``refit``). :func:`attach` hands it to a ``GRPOTrainer`` through TRL's own vLLM
-hooks, which then (1) call ``sync_weights()`` before each generation once the optimizer has
-stepped (the service never serves stale weights to a synchronous trainer), and (2) apply TRL's
-importance-sampling correction with the service's logprobs as the sampling policy, logging
+``TrainerClient`` (``refit``). :func:`attach` hands it to a ``GRPOTrainer``: as a ``TrainerCallback``
+(a refit after each optimizer step) and through TRL's own vLLM hooks, which then (1) call
+``sync_weights()`` before each generation whose weights were not pushed yet (the first one: the
+trainer's starting weights), and (2) apply TRL's importance-sampling correction with the service's
+logprobs as the sampling policy, logging
 ``sampling/sampling_logp_difference/*`` (the trainer's recompute against what was sampled: ~1e-6
 with the service's exact ids and processed logprobs). TRL's logprobs are ``log_softmax(logits / T)``
 over the whole vocabulary: sample at ``GRPOConfig.temperature`` without top-k / top-p.
@@ -63,18 +64,24 @@ def rollout_output(trajectories: Sequence[dict[str, Any]], **extra: Sequence[Any
 
 class ServiceWeightSync:
     """What TRL's vLLM path calls to publish weights (``sync_weights``), pointed at the service:
-    each call refits the service with ``state_dict()`` under a new version label
-    (``<prefix>-<n>``) through ``client`` (a :class:`~rollout_service.refit.client.TrainerClient`)."""
+    each push refits the service with ``state_dict()`` under a new version label (``<prefix>-<n>``)
+    through ``client`` (a :class:`~rollout_service.refit.client.TrainerClient`), at most once per
+    optimizer step of the trainer it is attached to."""
 
     def __init__(self, client, state_dict: Callable[[], dict], prefix: str, transport: str = "object_store"):
         self.client = client
         self.state_dict = state_dict
         self.prefix = prefix
         self.transport = transport
+        self.trainer = None  # set by attach(): whose global_step a push is for
         self.versions: list[str] = []
         self.reports: list[dict] = []
+        self.pushed_step: int | None = None
 
     def sync_weights(self) -> None:
+        step = None if self.trainer is None else self.trainer.state.global_step
+        if step is not None and step == self.pushed_step:
+            return  # this step's weights are already on the service
         version = f"{self.prefix}-{len(self.versions)}"
         report = self.client.refit(version, {k: v.detach() for k, v in self.state_dict().items()},
                                    transport=self.transport)
@@ -82,19 +89,35 @@ class ServiceWeightSync:
             raise RuntimeError(f"refit {version} failed: {report.get('error')}")
         self.versions.append(version)
         self.reports.append(report)
+        self.pushed_step = step
 
     def generate(self, *args, **kwargs):  # TRL's own generation path: never taken with a rollout_func
         raise RuntimeError("generations come from the service through rollout_func")
 
 
+def refit_callback(sync: ServiceWeightSync):
+    """A ``transformers.TrainerCallback`` that refits the service after each optimizer step."""
+    from transformers import TrainerCallback
+
+    class RefitAfterEachStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                sync.sync_weights()
+
+    return RefitAfterEachStep()
+
+
 def attach(trainer, sync: ServiceWeightSync) -> None:
-    """Make ``trainer`` (a ``trl.GRPOTrainer`` built with a ``rollout_func`` and ``use_vllm=False``) publish
-    its weights through ``sync`` before each generation after an optimizer step, and correct its
-    loss with the service's logprobs (TRL's ``vllm_importance_sampling_correction``, on by default):
-    the switches TRL's vLLM server mode sets, with the service in vLLM's place. Written against
-    trl 1.16.0 (``pyproject``'s ``train`` extra pins it)."""
+    """Make ``trainer`` (a ``trl.GRPOTrainer`` built with a ``rollout_func`` and ``use_vllm=False``) push
+    its weights to the service through ``sync`` after each optimizer step (:func:`refit_callback`)
+    and before its first generation, and correct its loss with the service's logprobs (TRL's
+    ``vllm_importance_sampling_correction``, on by default): the switches TRL's vLLM server mode
+    sets, with the service in vLLM's place. Written against trl 1.16.0 (``pyproject``'s ``train``
+    extra pins it)."""
     if getattr(trainer, "rollout_func", None) is None:
         raise ValueError("the trainer has no rollout_func: its generations would not come from the service")
+    sync.trainer = trainer
+    trainer.add_callback(refit_callback(sync))
     trainer.use_vllm = True
     trainer.vllm_mode = "server"
     trainer.vllm_generation = sync
