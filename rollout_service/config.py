@@ -430,6 +430,13 @@ class RoutingConfig(_Strict):
     load_margin: int = Field(
         16, ge=0, description="sticky_least_loaded: requests in flight a rollout's engine may carry beyond the least "
         "loaded engine before the rollout moves.")
+    group_placement: Literal["spread", "together"] = Field(
+        "spread", description="Where a GRPO group's rollouts (the same X-Rollout-Group, else the same first-turn "
+        "prompt) start. spread: each on the least loaded engine, like any rollout. together: all on the group's home "
+        "engine (a hash of the group over the serving engines, the same in every replica), so the shared prompt is "
+        "prefilled and cached once; a rollout starts elsewhere when the home engine is more than load_margin requests "
+        "above the least loaded. Only where rollouts are pinned (policy sticky, or sticky_least_loaded with "
+        "engine.enable_prefix_caching).")
 
 
 class CanaryConfig(_Strict):

@@ -216,3 +216,42 @@ async def test_a_failing_fleet_is_reported_a_restarted_one_reattaches_and_a_dead
         assert restarted == ["b"] and client.view.epoch == 900
     finally:
         client.stop_watching()
+
+
+def test_a_groups_rollouts_start_together_on_its_home_engine_in_every_replica():
+    """routing.group_placement together: the rollouts of one group start on the group's home engine
+    (rendezvous hash over the serving slots), which two data-plane processes agree on without talking;
+    groups spread over the engines; a home more than load_margin above the least loaded is passed
+    over; a home that leaves the serving set gives its groups a new common home; spread (the
+    default) starts each rollout on the least loaded engine."""
+    members = [Member(s, 0, f"e{s}") for s in range(4)]
+    replicas = [FleetClient(FakeFleet(), view(1, *members), policy=StickyLeastLoaded(4), group_placement="together")
+                for _ in range(2)]
+    homes = {}
+    for g in range(12):
+        group = f"prompt-{g}"
+        starts = {replicas[i % 2].route(f"{group}-r{i}", group).member.slot for i in range(8)}
+        assert len(starts) == 1, (group, starts)  # every rollout of the group, on either replica
+        homes[group] = starts.pop()
+    assert len(set(homes.values())) >= 3  # 12 groups over 4 engines
+    # later calls of a rollout follow its pin, not the group
+    one = replicas[0]
+    assert one.route("prompt-0-r0").member.slot == homes["prompt-0"]
+    # an overloaded home: a new rollout of the group starts on the least loaded engine instead
+    home = next(m for m in members if m.slot == homes["prompt-1"])
+    _loaded(one, home, 5)
+    assert one.route("prompt-1-new", "prompt-1").member.slot != home.slot
+    # the home leaves: the group's new rollouts agree on another engine, in both replicas
+    rest = [m for m in members if m.slot != homes["prompt-2"]]
+    for r in replicas:
+        r._set_view(view(2, *rest))
+    new_home = {r.route(f"prompt-2-late-{i}", "prompt-2").member.slot for i, r in enumerate(replicas)}
+    assert len(new_home) == 1 and homes["prompt-2"] not in new_home
+    # spread: the least loaded engine, whatever the group
+    spread = FleetClient(FakeFleet(), view(1, *members), policy=StickyLeastLoaded(4))
+    firsts = []
+    for i in range(4):
+        m = spread.route(f"s-{i}", "same-group").member
+        spread.acquire(m)
+        firsts.append(m.slot)
+    assert sorted(firsts) == [0, 1, 2, 3]

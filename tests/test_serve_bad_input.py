@@ -199,6 +199,10 @@ ROWS = _rows() + [
       for header in ("X-Rollout-Id", "X-Session-ID")
       for label, value in (("empty", ""), ("too-long", "r" * 300), ("slash", "a/b"), ("space", "a b"),
                            ("braces", "x{y}"), ("non-ascii", "r\u00e9".encode()))],
+    *[p(Bad(route, headers={"X-Rollout-Group": value}, param="X-Rollout-Group", code="invalid_rollout_id"),
+        id=f"{route}-rollout-group-{label}")
+      for route in ("chat", "responses", "tokenize")
+      for label, value in (("empty", ""), ("too-long", "g" * 300), ("slash", "a/b"), ("space", "a b"))],
     *[p(Bad(route, lambda r: {"metadata": {"rollout_id": value}}, headers=NO_ROLLOUT, param="metadata.rollout_id",
             code="invalid_rollout_id"), id=f"{route}-metadata-rollout-id-{label}")
       for route in ("chat", "responses", "tokenize")

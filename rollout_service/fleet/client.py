@@ -23,7 +23,7 @@ from rollout_service.engine.channel import EngineChannel
 from rollout_service.metrics import get_metrics
 from rollout_service.engine.types import GenerateRequest
 from rollout_service.fleet.migration import Progress, unmovable
-from rollout_service.fleet.routing import Route, RoutingPolicy, Sticky
+from rollout_service.fleet.routing import Route, RoutingPolicy, Sticky, group_home, least_loaded, load_of
 from rollout_service.fleet.types import (
     EngineCallDeadline,
     EngineLostDuringCall,
@@ -41,8 +41,9 @@ class FleetClient:
     def __init__(self, fleet, view: FleetView | None = None, policy: RoutingPolicy | None = None,
                  max_pins: int = 100_000, poll_s: float = 2.0, resolve: Any = None,
                  call_deadline_s: float | None = None, call_deadline_s_per_token: float = 0.0,
-                 nonstream_progress_s: float = 0.0):
+                 nonstream_progress_s: float = 0.0, group_placement: str = "spread"):
         self.fleet = fleet
+        self.group_placement = group_placement  # routing.group_placement: spread | together
         # A generation's deadline: call_deadline_s + call_deadline_s_per_token x max_tokens (None: none).
         self.call_deadline_s, self.call_deadline_s_per_token = call_deadline_s, call_deadline_s_per_token
         # > 0: a call whose caller wants one answer is streamed from the engine at this batch window,
@@ -141,9 +142,11 @@ class FleetClient:
     def pick(self, rollout_id: str | None) -> Member:
         return self.route(rollout_id).member
 
-    def route(self, rollout_id: str | None) -> Route:
+    def route(self, rollout_id: str | None, group: str | None = None) -> Route:
         """The policy's choice for the rollout's next call (:mod:`rollout_service.fleet.routing`):
-        given its pinned engine if that still serves; the choice is pinned (policies that pin)."""
+        given its pinned engine if that still serves; the choice is pinned (policies that pin). A
+        rollout of ``group`` not pinned yet starts on the group's home engine under
+        ``group_placement: together`` (within the policy's load margin)."""
         members = self.members()
         if not members:
             raise NoEngineAvailable("no engine replica is serving (the fleet is replacing it)")
@@ -151,6 +154,12 @@ class FleetClient:
         if rollout_id is not None and self.policy.pins:
             key = self.pins.get(rollout_id)
             pinned = next((m for m in members if m.key == key), None) if key is not None else None
+            if pinned is None and group is not None and self.group_placement == "together":
+                home = group_home(members, group)
+                margin = getattr(self.policy, "margin", None)
+                best = least_loaded(members, self.outstanding)
+                if margin is None or load_of(home, self.outstanding) <= load_of(best, self.outstanding) + margin:
+                    pinned = home  # as if pinned there: the policy keeps it unless its load says otherwise
         route = self.policy.choose(members, self.outstanding, pinned)
         if rollout_id is not None and self.policy.pins:
             self.pins[rollout_id] = route.member.key
@@ -173,7 +182,8 @@ class FleetClient:
 
     # ------------------------------------------------------------------ generation
     async def generate_with_failover(self, rollout_id: str | None, request: GenerateRequest,
-                                     stream: bool, routed: list[Route] | None = None) -> AsyncIterator:
+                                     stream: bool, routed: list[Route] | None = None,
+                                     group: str | None = None) -> AsyncIterator:
         """``request`` on the rollout's pinned engine (pinned at its first call to the least loaded one).
 
         An engine that dies (killed, crashed, or declared hung and killed by the fleet) is not the
@@ -193,7 +203,7 @@ class FleetClient:
         budget = self.deadline_s(request.max_tokens)
         deadline = None if budget is None else asyncio.get_running_loop().time() + budget
         for attempt in range(attempts):
-            route = self.route(rollout_id)
+            route = self.route(rollout_id, group if attempt == 0 else None)
             member = route.member
             if routed is not None:
                 routed.append(route)

@@ -20,12 +20,24 @@ the lowest slot. Pure (no Ray): tests/test_fleet_client_routing.py drives it dir
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 from typing import Protocol
 
 from rollout_service.fleet.types import Member
 
 POLICIES = ("sticky_least_loaded", "sticky", "least_loaded")
+
+
+def group_home(members: tuple[Member, ...], group: str) -> Member:
+    """The engine a group's rollouts start on under ``group_placement: together``: rendezvous
+    hashing of the group over the serving slots, so every data-plane process picks the same one
+    without sharing state, and only the groups whose home left the serving set move."""
+    def score(m: Member) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{group}\x00{m.slot}".encode(), digest_size=8).digest(), "big")
+
+    return max(members, key=score)
 
 
 def load_of(member: Member, outstanding: dict[tuple[int, int], int]) -> int:

@@ -162,7 +162,8 @@ class RolloutService(ForwardingReplica):
                 client = await connect(fleet, policy=policy, resolve=lambda: get_or_create_fleet(self.config),
                                        call_deadline_s=self.config.fleet.call_deadline_s,
                                        call_deadline_s_per_token=self.config.fleet.call_deadline_s_per_token,
-                                       nonstream_progress_s=self.config.fleet.nonstream_progress_s)
+                                       nonstream_progress_s=self.config.fleet.nonstream_progress_s,
+                                       group_placement=routing.group_placement)
                 client.on_fleet_restart.append(lambda: self._reattach(client))
                 canary = None
                 if self.config.canary.sample_fraction > 0:

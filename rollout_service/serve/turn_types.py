@@ -67,6 +67,8 @@ class TurnRequest:
     # Token in, token out (/inference/v1/generate): the prompt as ids the client rendered itself;
     # ``messages`` is then empty and nothing is templated or parsed.
     prompt_token_ids: list[int] | None = None
+    # X-Rollout-Group: the rollout's group (routing.group_placement). Routing only: not in the digest.
+    rollout_group: str | None = None
 
     def digest(self) -> str:
         """What makes two calls the same call: everything that shapes the prompt or the sampling.

@@ -14,8 +14,10 @@ while the original is still running waits for it and gets its answer.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -359,7 +361,8 @@ class TurnRunner(RolloutReads):
         final_chunk = None
         prompt_sent = False
         routed: list = []  # fleet.routing.Route of each attempt
-        chunks = self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=req.stream, routed=routed)
+        chunks = self._generate(rollout_id, plan.prompt_ids, sampling, max_tokens, stream=req.stream, routed=routed,
+                                group=self._group(req, state, plan.prompt_ids))
         if constrained:
             chunks = name_the_grammar(chunks, req)
         async for chunk in chunks:
@@ -472,14 +475,25 @@ class TurnRunner(RolloutReads):
         )
 
     # ------------------------------------------------------------------ engine
-    async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True, routed=None):
+    def _group(self, req: TurnRequest, state: RolloutState | None, prompt_ids: list[int]) -> str | None:
+        """The rollout's group for routing.group_placement together: X-Rollout-Group, else (on its first
+        call) the digest of its first prompt, which a GRPO group's rollouts share."""
+        if self.config.routing.group_placement != "together" or req.rollout_id is None:
+            return None
+        if req.rollout_group is not None:
+            return req.rollout_group
+        if state is not None and state.turn:
+            return None  # pinned already
+        return "prompt:" + hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=12).hexdigest()
+
+    async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True, routed=None, group=None):
         """Generate on the rollout's engine, failing over to another engine while nothing was passed
         on (:meth:`FleetClient.generate_with_failover`). Streaming calls get the engine's chunks as
         they come; a non-streaming call is one round trip. ``routed`` gets each attempt's route; a
         pin moved by the routing policy is counted here and at the fleet."""
         request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens)
         routed = [] if routed is None else routed
-        chunks = self.fleet.generate_with_failover(rollout_id, request, stream, routed=routed)
+        chunks = self.fleet.generate_with_failover(rollout_id, request, stream, routed=routed, group=group)
         seams = SeamStops(self.tokenizer, sampling.stop, sampling.skip_special_tokens) if sampling.stop else None
         ids: list[int] = []
         lps: list[float] = []

@@ -26,13 +26,14 @@ class RolloutHeaders:
     rollout_id: str | None
     history_policy: str | None
     idempotency_key: str | None
+    rollout_group: str | None = None
 
     def with_body_rollout_id(self, metadata: dict[str, Any] | None) -> "RolloutHeaders":
         """The rollout id from ``metadata.rollout_id`` when no header named one (headers win)."""
         if self.rollout_id is not None or not metadata or "rollout_id" not in metadata:
             return self
         return RolloutHeaders(valid_rollout_id(metadata["rollout_id"], "metadata.rollout_id"), self.history_policy,
-                              self.idempotency_key)
+                              self.idempotency_key, self.rollout_group)
 
 
 # The documented rules of rollout ids and these headers as JSON Schema, for the OpenAPI schema only:
@@ -58,6 +59,11 @@ def rollout_headers(
                                                               "the first call instead of running again.",
                                                   json_schema_extra={"minLength": 1,
                                                                      "maxLength": IDEMPOTENCY_KEY_MAX_LEN})] = None,
+    x_rollout_group: Annotated[str | None, Header(description="The group a rollout belongs to (GRPO: the rollouts of "
+                                                              "one prompt). Under routing.group_placement together, a "
+                                                              "group's rollouts start on the same engine (its prompt "
+                                                              "prefix cached once). Same rules as a rollout id.",
+                                                  json_schema_extra=_ROLLOUT_ID_SCHEMA)] = None,
 ) -> RolloutHeaders:
     rid = valid_rollout_id(x_rollout_id, "X-Rollout-Id") if x_rollout_id is not None else None
     sid = valid_rollout_id(x_session_id, "X-Session-ID") if x_session_id is not None else None
@@ -69,7 +75,8 @@ def rollout_headers(
                           param="X-History-Policy", code="invalid_history_policy")
     if idempotency_key is not None and not (0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX_LEN):
         raise bad_request(f"Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_MAX_LEN} characters", param="Idempotency-Key")
-    return RolloutHeaders(rid if rid is not None else sid, policy, idempotency_key)
+    group = valid_rollout_id(x_rollout_group, "X-Rollout-Group") if x_rollout_group is not None else None
+    return RolloutHeaders(rid if rid is not None else sid, policy, idempotency_key, group)
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
