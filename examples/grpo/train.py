@@ -188,14 +188,17 @@ def naive_row(record: dict, tokenizer):
 
     ids = ids_of(len(messages), False)
     mask, behaviour, versions, bounds = [0] * len(ids), [0.0] * len(ids), [None] * len(ids), []
-    turns = iter(record["turns"])
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        turn = next(turns)
+    answers = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(answers) != len(record["turns"]):
+        raise ValueError(f"{len(answers)} assistant messages but {len(record['turns'])} recorded answers")
+    for k, turn in zip(answers, record["turns"]):
         start, end = len(ids_of(k, True)), min(len(ids_of(k + 1, False)), len(ids))
-        by_position = [v for v, a, b in ((s["version"], s["start"], s["end"]) for s in turn["weight_versions"])
-                       for _ in range(a, b)]
+        by_position: list[str | None] = [None] * len(turn["logprobs"])
+        for span in turn["weight_versions"]:
+            for j in range(max(0, span["start"]), min(span["end"], len(by_position))):
+                by_position[j] = span["version"]
+        if None in by_position:
+            raise ValueError(f"answer {len(bounds)}: generated tokens without a weight version")
         n = max(0, min(end - start, len(turn["logprobs"])))
         for j in range(n):
             mask[start + j], behaviour[start + j], versions[start + j] = 1, turn["logprobs"][j], by_position[j]

@@ -8,7 +8,8 @@ the service's processed logprobs and the mask of generated tokens
 loss, and before each generation after an optimizer step pushes its weights to the service through
 ``TrainerClient.refit`` (TRL's own vLLM weight-sync hook, pointed at the service). TRL's
 importance-sampling correction uses the service's logprobs as the sampling policy and logs how far
-its own recompute is from them (``sampling/sampling_logp_difference/*``: ~1e-6 here).
+its own recompute is from them (``sampling/sampling_logp_difference/*``: ~1e-5 here, TRL's own float32
+log-softmax over the 152k vocabulary).
 
 Synchronous, as TRL is: each step's rollouts are sampled by the weights the previous step produced.
 TRL's logprobs are over the whole vocabulary at ``GRPOConfig.temperature``, so the agents sample at
@@ -52,7 +53,9 @@ COLUMNS = {"reward": "reward_mean", "sampling/sampling_logp_difference/mean": "l
            "sampling/importance_sampling_ratio/min": "is_ratio_min",
            "sampling/importance_sampling_ratio/mean": "is_ratio_mean",
            "sampling/importance_sampling_ratio/max": "is_ratio_max", "entropy": "entropy", "loss": "loss",
-           "clip_ratio/region_mean": "clip_rate", "num_tokens": "num_tokens"}
+           # TRL counts only the side its clip binds on (train.py's clip_rate counts both), and
+           # num_tokens is its running total of prompt + completion tokens
+           "clip_ratio/region_mean": "clip_ratio_region", "num_tokens": "num_tokens_seen"}
 
 
 async def collect(base_url: str, prompts: list[str], args, seed: int) -> list[dict]:
@@ -80,11 +83,11 @@ def run(args, base_url: str, controller, model_path: str) -> list[dict]:
     rng = random.Random(args.seed)
     prompts = [f"Task {i}: describe a {rng.choice(['river', 'city', 'tool', 'song'])}."
                for i in range(args.prompts * args.steps)]
-    calls = []
+    sampled_by: list[str] = []  # the version each generation (one per step here) was sampled by
 
     def rollout_func(batch: list[str], trainer) -> dict:
-        trajectories = asyncio.run(collect(base_url, batch, args, seed=args.seed * 1000 + len(calls)))
-        calls.append(len(batch))
+        trajectories = asyncio.run(collect(base_url, batch, args, seed=args.seed * 1000 + len(sampled_by)))
+        sampled_by.append(sync.versions[-1])
         return rollout_output(trajectories, env_reward=[reward_of(t, args.frequent_ids) for t in trajectories])
 
     def env_reward(completions, env_reward, **kwargs) -> list[float]:
@@ -105,9 +108,10 @@ def run(args, base_url: str, controller, model_path: str) -> list[dict]:
     rows = []
     logged = [h for h in trainer.state.log_history if "reward" in h]
     for step, h in enumerate(logged):
+        version = sampled_by[step] if step < len(sampled_by) else None
+        report = sync.reports[sync.versions.index(version)] if version in sync.versions else {}
         row = {"step": step, **{col: h.get(key) for key, col in COLUMNS.items()},
-               "weight_version": sync.versions[step] if step < len(sync.versions) else None,
-               "refit_stall_s": sync.reports[step].get("stall_s") if step < len(sync.reports) else None}
+               "weight_version": version, "refit_stall_s": report.get("stall_s")}
         rows.append(row)
     with open(out / "metrics.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["step"])

@@ -41,9 +41,10 @@ class FleetClient:
     def __init__(self, fleet, view: FleetView | None = None, policy: RoutingPolicy | None = None,
                  max_pins: int = 100_000, poll_s: float = 2.0, resolve: Any = None,
                  call_deadline_s: float | None = None, call_deadline_s_per_token: float = 0.0,
-                 nonstream_progress_s: float = 0.0, group_placement: str = "spread"):
+                 nonstream_progress_s: float = 0.0, group_placement: str = "spread", load_margin: int = 16):
         self.fleet = fleet
         self.group_placement = group_placement  # routing.group_placement: spread | together
+        self.load_margin = load_margin  # routing.load_margin: how far above the least loaded a group's home may be
         # A generation's deadline: call_deadline_s + call_deadline_s_per_token x max_tokens (None: none).
         self.call_deadline_s, self.call_deadline_s_per_token = call_deadline_s, call_deadline_s_per_token
         # > 0: a call whose caller wants one answer is streamed from the engine at this batch window,
@@ -156,9 +157,8 @@ class FleetClient:
             pinned = next((m for m in members if m.key == key), None) if key is not None else None
             if pinned is None and group is not None and self.group_placement == "together":
                 home = group_home(members, group)
-                margin = getattr(self.policy, "margin", None)
                 best = least_loaded(members, self.outstanding)
-                if margin is None or load_of(home, self.outstanding) <= load_of(best, self.outstanding) + margin:
+                if load_of(home, self.outstanding) <= load_of(best, self.outstanding) + self.load_margin:
                     pinned = home  # as if pinned there: the policy keeps it unless its load says otherwise
         route = self.policy.choose(members, self.outstanding, pinned)
         if rollout_id is not None and self.policy.pins:

@@ -163,7 +163,7 @@ class RolloutService(ForwardingReplica):
                                        call_deadline_s=self.config.fleet.call_deadline_s,
                                        call_deadline_s_per_token=self.config.fleet.call_deadline_s_per_token,
                                        nonstream_progress_s=self.config.fleet.nonstream_progress_s,
-                                       group_placement=routing.group_placement)
+                                       group_placement=routing.group_placement, load_margin=routing.load_margin)
                 client.on_fleet_restart.append(lambda: self._reattach(client))
                 canary = None
                 if self.config.canary.sample_fraction > 0:

@@ -480,10 +480,10 @@ class TurnRunner(RolloutReads):
         call) the digest of its first prompt, which a GRPO group's rollouts share."""
         if self.config.routing.group_placement != "together" or req.rollout_id is None:
             return None
+        if state is not None and state.turn:
+            return None  # its later calls follow its own pin (or, if that engine left, the least loaded)
         if req.rollout_group is not None:
             return req.rollout_group
-        if state is not None and state.turn:
-            return None  # pinned already
         return "prompt:" + hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=12).hexdigest()
 
     async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True, routed=None, group=None):

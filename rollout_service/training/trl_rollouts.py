@@ -16,8 +16,8 @@ Weights: :class:`ServiceWeightSync` pushes the trainer's weights to the service 
 ``sync_weights()`` before each generation whose weights were not pushed yet (the first one: the
 trainer's starting weights), and (2) apply TRL's importance-sampling correction with the service's
 logprobs as the sampling policy, logging
-``sampling/sampling_logp_difference/*`` (the trainer's recompute against what was sampled: ~1e-6
-with the service's exact ids and processed logprobs). TRL's logprobs are ``log_softmax(logits / T)``
+``sampling/sampling_logp_difference/*`` (the trainer's recompute against what was sampled: ~1e-5
+with the service's exact ids and processed logprobs: TRL's own float32 log-softmax). TRL's logprobs are ``log_softmax(logits / T)``
 over the whole vocabulary: sample at ``GRPOConfig.temperature`` without top-k / top-p.
 
 Pure Python; imports neither TRL, Ray nor torch (the trainer, the client and the model are passed in).
@@ -82,6 +82,9 @@ class ServiceWeightSync:
         step = None if self.trainer is None else self.trainer.state.global_step
         if step is not None and step == self.pushed_step:
             return  # this step's weights are already on the service
+        accelerator = getattr(self.trainer, "accelerator", None)
+        if accelerator is not None and not accelerator.is_main_process:
+            return  # attach() refuses more than one process; kept for safety
         version = f"{self.prefix}-{len(self.versions)}"
         report = self.client.refit(version, {k: v.detach() for k, v in self.state_dict().items()},
                                    transport=self.transport)
@@ -116,6 +119,12 @@ def attach(trainer, sync: ServiceWeightSync) -> None:
     extra pins it)."""
     if getattr(trainer, "rollout_func", None) is None:
         raise ValueError("the trainer has no rollout_func: its generations would not come from the service")
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None and accelerator.num_processes > 1:
+        # Every process would push, and a sharded (FSDP / ZeRO-3) or PEFT model's state_dict is not the
+        # full weights: gathering them as TRL's own sync does is not built here.
+        raise ValueError(f"attach() supports one training process, not {accelerator.num_processes}: the weights "
+                         "would have to be gathered (FSDP, ZeRO-3, PEFT) and pushed from the main process only")
     sync.trainer = trainer
     trainer.add_callback(refit_callback(sync))
     trainer.use_vllm = True
