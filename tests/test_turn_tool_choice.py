@@ -29,7 +29,7 @@ class CannedFleet:
     def members(self):
         return ()
 
-    async def generate_with_failover(self, rollout_id, request, stream, routed=None):
+    async def generate_with_failover(self, rollout_id, request, stream, routed=None, group=None):
         yield GenerationChunk(token_ids=list(self.ids), logprobs=[-0.5] * len(self.ids), finish_reason="stop",
                               weight_versions=[("0", 0, len(self.ids))])
 
