@@ -159,6 +159,60 @@ def test_a_real_trajectorys_rows_match_a_float32_forward_of_the_same_weights(ser
     assert worst < 1e-5 and d.ratio_dev_e4_current < 0.1 and d.tokens_stale == 0 and d.lag_max == 0
 
 
+def test_a_rollout_across_a_refit_carries_both_versions_and_each_token_matches_its_own_weights(service,
+                                                                                               tiny_model_dir):
+    """Turn 1 on weights A, a refit to B, turn 2 on B: the rollout's row carries both versions, each
+    generated token matches a float32 forward of the weights that sampled it (within 1e-5), and the
+    diagnostics count turn 1's tokens as stale for a trainer holding B."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engine_helpers import load_hf_model
+    from refit_helpers import perturbed
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.controller import get_controller
+    from rollout_service.training.diagnostics import token_logprobs
+    from serve_helpers import MODEL
+
+    trainer = TrainerClient(get_controller(), timeout_s=120)
+    tag = uuid.uuid4().hex[:6]
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    weights = {f"A-{tag}": base, f"B-{tag}": perturbed(base, seed=17)}
+    rid = f"train-refit-{tag}"
+    messages = [{"role": "user", "content": "count the pears"}]
+    try:
+        with httpx.Client(base_url=service.url, timeout=300) as client:
+            for turn, version in enumerate(weights):
+                assert trainer.refit(version, weights[version], transport="object_store")["ok"]
+                r = client.post("/v1/chat/completions", headers={"X-Rollout-Id": rid}, json={
+                    "model": MODEL, "messages": messages, "max_tokens": 16, "seed": 9 + turn, "temperature": 1.0})
+                assert r.status_code == 200, r.text
+                messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or ""},
+                             {"role": "user", "content": "2 pears"}]
+            traj = client.get(f"/v1/rollouts/{rid}").json()
+    finally:
+        assert trainer.refit(f"restored-{tag}", base, transport="object_store")["ok"]
+    (row,) = rows_from_trajectory(traj)
+    assert row.version_set() == set(weights) and len(row.turns) == 2
+    model = load_hf_model(str(tiny_model_dir))
+    per_version = {}
+    for version, state in weights.items():
+        model.load_state_dict(state)
+        with torch.no_grad():
+            per_version[version] = token_logprobs(model(torch.tensor([row.input_ids])).logits[0], row.input_ids)[0]
+    own = [per_version[row.versions[i]][i] for i in range(len(row))]  # each token under the weights that sampled it
+    worst = max(abs(own[i] - row.behaviour_logprobs[i]) for i, m in enumerate(row.loss_mask) if m)
+    b = f"B-{tag}"
+    d = step_diagnostics([row], [per_version[b]], trainer_version=b, version_order=list(weights))
+    print(f"versions {sorted(row.version_set())}: max |own-weights logprob - service| {worst:.2e}; trainer on B: "
+          f"{d.tokens_current} current (dev {d.ratio_dev_e4_current:.3f}e-4), {d.tokens_stale} stale "
+          f"(dev {d.ratio_dev_e4_stale:.0f}e-4), lag max {d.lag_max}")
+    assert worst < 1e-5
+    t1, t2 = row.turns
+    assert d.tokens_stale == t1.gen_end - t1.gen_start and d.tokens_current == t2.gen_end - t2.gen_start
+    assert d.ratio_dev_e4_current < 0.1 and d.ratio_dev_e4_stale > 10 and d.lag_max == 1
+
+
 def test_the_training_module_imports_without_vllm_ray_or_torch():
     import subprocess
     import sys
