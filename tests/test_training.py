@@ -200,8 +200,9 @@ def test_a_rollout_across_a_refit_carries_both_versions_and_each_token_matches_i
         model.load_state_dict(state)
         with torch.no_grad():
             per_version[version] = token_logprobs(model(torch.tensor([row.input_ids])).logits[0], row.input_ids)[0]
-    own = [per_version[row.versions[i]][i] for i in range(len(row))]  # each token under the weights that sampled it
-    worst = max(abs(own[i] - row.behaviour_logprobs[i]) for i, m in enumerate(row.loss_mask) if m)
+    # each generated token under the weights that sampled it
+    worst = max(abs(per_version[row.versions[i]][i] - row.behaviour_logprobs[i])
+                for i, m in enumerate(row.loss_mask) if m)
     b = f"B-{tag}"
     d = step_diagnostics([row], [per_version[b]], trainer_version=b, version_order=list(weights))
     print(f"versions {sorted(row.version_set())}: max |own-weights logprob - service| {worst:.2e}; trainer on B: "
