@@ -64,3 +64,31 @@ def parse_sse(lines) -> list[dict]:
         if line.startswith("data: ") and line != "data: [DONE]":
             events.append(json.loads(line[len("data: "):]))
     return events
+
+
+def wait_healthy(url: str, timeout: float = 300) -> None:
+    """Poll ``url`` (an app's /health) until it answers 200; AssertionError after ``timeout`` s."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not healthy after {timeout}s")
+
+
+def load_example(relative: str, name: str):
+    """An example script (path relative to the repository) as a module, without running its main."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

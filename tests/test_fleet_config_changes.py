@@ -14,22 +14,13 @@ import pytest
 import ray
 
 from fleet_helpers import process_gone
+from serve_helpers import wait_healthy
 from runtime_fixtures import TEST_KV_GIB
 
 
 APP = "cfgtest"
 
 
-def _wait_healthy(url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=30).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not healthy after {timeout}s")
 
 
 def _engine_pids(fleet) -> list[int]:
@@ -59,7 +50,7 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
     health = f"{service.url}/{APP}/health"
     serve.run(build_app(config(16)), name=APP, route_prefix=f"/{APP}")
     try:
-        _wait_healthy(health)
+        wait_healthy(health)
         fleet = get_fleet(fleet_name(APP))
         assert ray.get(fleet.engine_config.remote())["max_num_seqs"] == 16
         old_pids = _engine_pids(fleet)
@@ -92,7 +83,7 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
         while ray.get(fleet.engine_config.remote())["max_num_seqs"] != 8:
             assert time.monotonic() < deadline, "the fleet kept the old engine config"
             time.sleep(0.5)
-        _wait_healthy(health)
+        wait_healthy(health)
         print(f"redeploy with a new engine config -> healthy on new engines: {time.monotonic() - t0:.1f}s")
         runner.join(120)
         events = [json.loads(line[6:]) for line in stream["lines"] if line.startswith("data: {")]

@@ -15,6 +15,7 @@ import uuid
 import httpx
 
 from rollout_service.metrics import EXPORT_PREFIX, NAME_PREFIX
+from serve_helpers import wait_healthy
 
 APP = "canaryapp"
 PARITY = 1e-5
@@ -49,16 +50,6 @@ def _gauges(url: str, name: str, **labels: str) -> dict[str, float]:
     return out
 
 
-def _wait_healthy(url: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=30).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not healthy after {timeout}s")
 
 
 def test_a_serve_app_counts_every_generation_in_status_and_on_the_metrics_scrape(service):
@@ -77,7 +68,7 @@ def test_a_serve_app_counts_every_generation_in_status_and_on_the_metrics_scrape
     base = f"{service.url}/{APP}"
     serve.run(build_app(cfg), name=APP, route_prefix=f"/{APP}")
     try:
-        _wait_healthy(f"{base}/health")
+        wait_healthy(f"{base}/health")
         before = _scrape(scrape_url)
         generated: list[int] = []  # completion tokens of each call
         with httpx.Client(base_url=base, timeout=120) as http:

@@ -12,22 +12,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from serve_helpers import load_example
+
 REQUIRED = ["step", "reward_mean", "ratio_dev_e4_current", "ratio_dev_e4_stale", "kl_k3", "clip_rate", "entropy",
             "lag_mean", "lag_max", "refit_stall_s", "weight_version"]
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("grpo_train", ROOT / "examples" / "grpo" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("examples/grpo/train.py", "grpo_train")
 
 
 def test_grpo_steps_through_the_service_are_on_policy_and_refit_each_step(service, tiny_model_dir, tmp_path):

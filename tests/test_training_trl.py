@@ -13,19 +13,16 @@ examples/grpo/trl_train.py).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import random
-from pathlib import Path
 
 import pytest
 
 from rollout_service.onpolicy.trajectory import trajectory_export
 from rollout_service.training.rows import rows_from_trajectory
 from rollout_service.training.trl_rollouts import ServiceWeightSync, attach, rollout_output, trl_rollout
+from serve_helpers import load_example
 from synthetic_rollouts import synthetic_rollout
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _trajectory(turns=(3,), seed=0) -> dict:
@@ -97,10 +94,7 @@ def test_one_push_per_optimizer_step():
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("trl_train", ROOT / "examples" / "grpo" / "trl_train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("examples/grpo/trl_train.py", "trl_train")
 
 
 def test_trls_grpo_trainer_trains_through_the_service_on_its_exact_tokens(service, tiny_model_dir, tmp_path):

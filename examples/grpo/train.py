@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import math
 import random
@@ -345,6 +346,31 @@ def main(argv: list[str] | None = None) -> int:
         args.temperature = 0.7 if args.baseline == "raw-logprobs" else 1.0
     logprobs_mode = "raw_logprobs" if args.baseline == "raw-logprobs" else "processed_logprobs"
 
+    try:
+        with service_for(args, logprobs_mode) as (base_url, controller, config):
+            rows = asyncio.run(train(args, base_url, controller, config.engine.resolved_model()))
+        first, last = rows[0]["reward_mean"], sum(r["reward_mean"] for r in rows[-3:]) / min(3, len(rows))
+        print(f"reward {first:.3f} -> {last:.3f} (last 3 steps) over {len(rows)} steps; {args.out}/metrics.csv, "
+              f"{args.out}/curves.png")
+        return 0
+    except WrongService as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - a failed step is the run's failure: say it, exit non-zero
+        print(f"training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+class WrongService(RuntimeError):
+    """The running service (``--base-url``) is not configured as this run needs."""
+
+
+@contextlib.contextmanager
+def service_for(args, logprobs_mode: str | None = None):
+    """(base URL, refit controller, service config) to train against: the running service of
+    ``args.base_url`` (its Ray cluster joined; ``args.instance`` names it), checked to report
+    ``logprobs_mode`` if given, or one started here on the tiny model (one engine) and stopped on
+    exit, also on Ctrl-C and SIGTERM."""
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.refit.controller import controller_name, get_controller
 
@@ -352,45 +378,30 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_sigterm)
-    svc = None
+    if args.base_url:
+        from rollout_service.fleet.fleet import fleet_name, get_fleet
+
+        ray.init(address="auto", ignore_reinit_error=True, log_to_driver=False)
+        base_url = args.base_url.rstrip("/").removesuffix("/v1")
+        config = RolloutServiceConfig.model_validate(
+            ray.get(get_fleet(fleet_name(args.instance)).service_config.remote(), timeout=60))
+        if logprobs_mode is not None and config.engine.logprobs_mode != logprobs_mode:
+            raise WrongService(f"the service at {base_url} reports {config.engine.logprobs_mode}; this run needs "
+                               f"{logprobs_mode} (start it with engine.logprobs_mode: {logprobs_mode})")
+        yield base_url, get_controller(controller_name(args.instance)), config
+        return
+    from rollout_service.ops.launcher import LocalService
+    from rollout_service.ops.runtime import shutdown_local_ray
+
+    engine = {"num_engines": 1, **({"logprobs_mode": logprobs_mode} if logprobs_mode else {})}
+    config = RolloutServiceConfig.model_validate({"engine": engine})
+    svc = LocalService(config, port=_free_port(), log=lambda *a: print(*a, flush=True))
     try:
-        if args.base_url:
-            ray.init(address="auto", ignore_reinit_error=True, log_to_driver=False)
-            base_url = args.base_url.rstrip("/")
-            base_url = base_url[:-3] if base_url.endswith("/v1") else base_url
-            from rollout_service.fleet.fleet import fleet_name, get_fleet
-
-            controller = get_controller(controller_name(args.instance))
-            config = RolloutServiceConfig.model_validate(
-                ray.get(get_fleet(fleet_name(args.instance)).service_config.remote(), timeout=60))
-            model_path = config.engine.resolved_model()
-            if config.engine.logprobs_mode != logprobs_mode:
-                print(f"the service at {base_url} reports {config.engine.logprobs_mode}; this run needs "
-                      f"{logprobs_mode} (start it with engine.logprobs_mode: {logprobs_mode})", file=sys.stderr)
-                return 2
-        else:
-            from rollout_service.ops.launcher import LocalService
-
-            config = RolloutServiceConfig.model_validate({"engine": {"num_engines": 1,
-                                                                     "logprobs_mode": logprobs_mode}})
-            svc = LocalService(config, port=_free_port(), log=lambda *a: print(*a, flush=True))
-            svc.start()
-            base_url, controller = svc.url, svc.controller
-            model_path = config.engine.resolved_model()
-        rows = asyncio.run(train(args, base_url, controller, model_path))
-        first, last = rows[0]["reward_mean"], sum(r["reward_mean"] for r in rows[-3:]) / min(3, len(rows))
-        print(f"reward {first:.3f} -> {last:.3f} (last 3 steps) over {len(rows)} steps; {args.out}/metrics.csv, "
-              f"{args.out}/curves.png")
-        return 0
-    except Exception as exc:  # noqa: BLE001 - a failed step is the run's failure: say it, exit non-zero
-        print(f"training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        svc.start()
+        yield svc.url, svc.controller, config
     finally:
-        if svc is not None:
-            from rollout_service.ops.runtime import shutdown_local_ray
-
-            svc.stop()
-            shutdown_local_ray()
+        svc.stop()
+        shutdown_local_ray()
 
 
 def _free_port() -> int:

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import csv
 import random
-import signal
 import sys
 import uuid
 from pathlib import Path
@@ -42,10 +41,9 @@ from rollout_service.ops.runtime import apply_local_env  # noqa: E402
 apply_local_env()
 
 import httpx  # noqa: E402
-import ray  # noqa: E402
 
 from rollout_service.training.trl_rollouts import ServiceWeightSync, attach, rollout_output  # noqa: E402
-from train import reward_of, rollout  # noqa: E402  (this folder's train.py: the task and its reward)
+from train import reward_of, rollout, service_for  # noqa: E402  (this folder's train.py: the task and its reward)
 
 # TRL's log keys -> metrics.csv columns
 COLUMNS = {"reward": "reward_mean", "sampling/sampling_logp_difference/mean": "logp_diff_mean",
@@ -141,51 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.temperature, args.top_k, args.baseline = 1.0, 0, None  # TRL's logprobs: the whole vocabulary at T 1
 
-    from rollout_service.config import RolloutServiceConfig
-    from rollout_service.refit.controller import controller_name, get_controller
-
-    def stop_on_sigterm(signum, frame):  # stop what this command started (the service), as on Ctrl-C
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
-    svc = None
     try:
-        if args.base_url:
-            ray.init(address="auto", ignore_reinit_error=True, log_to_driver=False)
-            base_url = args.base_url.rstrip("/").removesuffix("/v1")
-            from rollout_service.fleet.fleet import fleet_name, get_fleet
-
-            controller = get_controller(controller_name(args.instance))
-            config = RolloutServiceConfig.model_validate(
-                ray.get(get_fleet(fleet_name(args.instance)).service_config.remote(), timeout=60))
-        else:
-            from rollout_service.ops.launcher import LocalService
-
-            config = RolloutServiceConfig.model_validate({"engine": {"num_engines": 1}})
-            svc = LocalService(config, port=_free_port(), log=lambda *a: print(*a, flush=True))
-            svc.start()
-            base_url, controller = svc.url, svc.controller
-        rows = run(args, base_url, controller, config.engine.resolved_model())
+        with service_for(args) as (base_url, controller, config):  # temperature 1, no top-k: raw = processed
+            rows = run(args, base_url, controller, config.engine.resolved_model())
         print(f"reward {rows[0]['reward_mean']:.3f} -> {rows[-1]['reward_mean']:.3f} over {len(rows)} steps; "
               f"{args.out}/metrics.csv")
         return 0
     except Exception as exc:  # noqa: BLE001 - a failed run: say it, exit non-zero
         print(f"training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if svc is not None:
-            from rollout_service.ops.runtime import shutdown_local_ray
-
-            svc.stop()
-            shutdown_local_ray()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
