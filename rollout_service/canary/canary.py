@@ -1,7 +1,8 @@
 """The online parity canary of one data-plane replica.
 
-A finished generation is drawn with probability ``canary.sample_fraction`` (:meth:`Canary.offer`:
-a random draw and a non-blocking put on a bounded queue, nothing else on the answer's path). A
+A generation is drawn with probability ``canary.sample_fraction`` (:meth:`Canary.draw`, before it
+runs; once finished, :meth:`Canary.take` puts it on a bounded queue without waiting: nothing else on
+the answer's path, and an undrawn generation keeps nothing for the canary). A
 worker task takes it off the queue, re-scores prompt + generated ids on an engine by teacher
 forcing (:meth:`~rollout_service.engine.scoring.Scoring.score`: one prefill, vLLM's prompt logprobs),
 on another serving engine when there is one (``canary.score_on``), checks that the engine held the
@@ -75,11 +76,19 @@ class Canary:
     def enabled(self) -> bool:
         return self.config.sample_fraction > 0
 
+    def draw(self) -> bool:
+        """Whether the generation about to run is checked (a random draw at ``sample_fraction``): the data
+        plane asks before a generation, so only a drawn one keeps its ids and logprobs for :meth:`take`."""
+        return self.enabled and self.rng.random() < self.config.sample_fraction
+
     def offer(self, gen: Generation) -> None:
-        """Draw ``gen`` or not; never waits, never raises."""
+        """Draw ``gen`` or not, and take it if drawn; never waits, never raises."""
+        if self.draw():
+            self.take(gen)
+
+    def take(self, gen: Generation) -> None:
+        """Queue a drawn generation for re-scoring (or count why not); never waits, never raises."""
         try:
-            if not self.enabled or self.rng.random() >= self.config.sample_fraction:
-                return
             self._start()
             if len(gen.prompt_ids) + len(gen.token_ids) > self.config.max_score_tokens:
                 return self._skip("too_long")

@@ -495,6 +495,7 @@ class TurnRunner(RolloutReads):
         routed = [] if routed is None else routed
         chunks = self.fleet.generate_with_failover(rollout_id, request, stream, routed=routed, group=group)
         seams = SeamStops(self.tokenizer, sampling.stop, sampling.skip_special_tokens) if sampling.stop else None
+        drawn = self.canary is not None and self.canary.draw()
         ids: list[int] = []
         lps: list[float] = []
         try:
@@ -504,11 +505,11 @@ class TurnRunner(RolloutReads):
                     if passed is not chunk:  # a stop string across a migration seam ends it here
                         yield passed
                         return  # (closing the call aborts the rest in the engine)
-                if self.canary is not None:
+                if drawn:
                     ids += chunk.token_ids
                     lps += chunk.logprobs
                     if chunk.finish_reason is not None and routed:
-                        self.canary.offer(Generation(
+                        self.canary.take(Generation(
                             prompt_ids=request.prompt_ids, token_ids=ids, logprobs=lps, sampling=sampling,
                             slot=routed[-1].member.slot, weight_versions=list(chunk.weight_versions or ()),
                             migrations=chunk.migrations))
