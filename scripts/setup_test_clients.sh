@@ -51,3 +51,15 @@ if [ ! -f "$rend/.installed" ]; then
   touch "$rend/.installed"
 fi
 
+
+# A whole verifiers 0.4 environment with its train client (prime-rl's path), for
+# tests/test_serve_verifiers_env.py. verifiers 0.4 needs openai < 3 (this venv has openai 3) and
+# ~100 packages of its own (mcp, anthropic, prime-*, no torch), so it gets a venv of its own.
+vf=.venv/verifiers-0.4
+if [ ! -f "$vf/.installed" ]; then
+  echo "[setup] installing verifiers 0.4 (a whole environment with its train client, for tests) into $vf"
+  rm -rf "$vf"
+  .venv/bin/python -m venv "$vf"
+  "$vf/bin/pip" install -q "verifiers==0.4.0" "renderers==0.1.12" 2>&1 | grep -v "is ignored" || true
+  touch "$vf/.installed"
+fi
