@@ -487,6 +487,14 @@ class RefitConfig(_Strict):
         description="Timeout of each refit step (pause, transfer, load, resume). TrainerClient takes it unless given "
         "timeout_s=.",
     )
+    control: Literal["channel", "ray"] = Field(
+        "channel",
+        description="How a refit reaches the engines in its three phases (pause; stage, load, label; commit and "
+        "resume): channel sends each as a control frame over the engine's data channel, far cheaper per engine "
+        "than a Ray actor call, which is what a refit's stall on many engines is made of; ray makes Ray actor "
+        "calls. An engine without a channel (engine.data_channel: ray), weights staged through the object store "
+        "and a failed refit's undo use Ray calls either way.",
+    )
     lease_s: float = Field(
         600.0, gt=0,
         description="NCCL path: the trainer holds the engines paused under a lease it renews with every call of the "

@@ -249,10 +249,21 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
         ckpt = Path(tempfile.mkdtemp(prefix="bench-scale-ckpt-"))
         shutil.copy(Path(cfg.engine.resolved_model()) / "model.safetensors", ckpt / "model.safetensors")
         trainer = TrainerClient(svc.controller, timeout_s=120)
-        reports = [trainer.refit(f"s{n}-{i}", str(ckpt), transport="path") for i in range(args.refits)]
         cleanup.append(lambda: shutil.rmtree(ckpt, ignore_errors=True))  # replacements load from it
-        row["refit_stall_ms"] = 1e3 * statistics.median(r["stall_s"] for r in reports)
-        row["refit_control_ms"] = 1e3 * statistics.median(r["control_s"] for r in reports)
+        modes = list(dict.fromkeys([cfg.refit.control, *args.compare_control]))  # alternated, same service
+        reports: dict[str, list] = {mode: [] for mode in modes}
+        for i in range(args.refits):
+            for mode in modes:
+                if len(modes) > 1:
+                    ray.get(svc.controller.update_config.remote(
+                        cfg.model_copy(update={"refit": cfg.refit.model_copy(update={"control": mode})}).model_dump()))
+                reports[mode].append(trainer.refit(f"s{n}-{mode}-{i}", str(ckpt), transport="path"))
+        row["refit_stall_ms"] = 1e3 * statistics.median(r["stall_s"] for r in reports[modes[0]])
+        row["refit_control_ms"] = 1e3 * statistics.median(r["control_s"] for r in reports[modes[0]])
+        row["refit_stall_ms_by_control"] = {m: 1e3 * statistics.median(r["stall_s"] for r in reports[m]) for m in modes}
+        if len(modes) > 1:
+            print(f"  refit stall at {n} engines, median of {args.refits} (alternated): "
+                  + ", ".join(f"{m} {v:.0f} ms" for m, v in row["refit_stall_ms_by_control"].items()), flush=True)
 
         # the fleet's probing while idle
         fleet_pids = processes()["fleet"]
@@ -307,6 +318,8 @@ def main(argv=None) -> int:
     p.add_argument("--cap", type=int, default=256, help="max_tokens cap of the heavy-tailed lengths")
     p.add_argument("--shared-prefix", type=int, default=200, help="words of the shared system prompts")
     p.add_argument("--refits", type=int, default=3)
+    p.add_argument("--compare-control", nargs="*", default=[], choices=["channel", "ray"],
+                   help="also refit with these refit.control modes, alternating on the same service")
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--routing", action="store_true", help="the routing table: each policy on the same workload")
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -214,3 +214,61 @@ async def test_both_ends_of_a_channel_connection_use_tcp_keepalive():
     finally:
         channel.close()
         server.close()
+
+
+async def test_control_calls_answer_run_to_their_end_and_refuse_unknown_methods():
+    """``ctl`` frames (a refit's phases over the channel): the result comes back; an error in the
+    engine keeps its type; an unregistered method is refused; a caller that gives up (deadline)
+    or a connection that closes does not cancel the call in the engine (as with a Ray call); a
+    lost connection fails the call in flight as EngineLost."""
+    from rollout_service.engine.channel import EngineChannel
+    from rollout_service.engine.types import EngineCallError
+
+    finished, started, release = [], asyncio.Event(), asyncio.Event()
+
+    async def add(a, b):
+        return {"sum": a + b, "args": [a, b]}
+
+    async def fail():
+        raise RuntimeError("injected fault: pause failed before its work")
+
+    async def slow(tag):
+        started.set()
+        await release.wait()
+        finished.append(tag)
+        return tag
+
+    async def unused(request):
+        yield None  # pragma: no cover
+
+    server = ChannelServer(unused, unused, {"add": add, "fail": fail, "slow": slow})
+    address = await server.start("127.0.0.1")
+    channel = EngineChannel(address)
+    try:
+        assert await channel.control("add", 2, 3) == {"sum": 5, "args": [2, 3]}
+        with pytest.raises(EngineCallError, match="injected fault") as err:
+            await channel.control("fail")
+        assert isinstance(err.value.cause, RuntimeError) and not is_engine_death(err.value)
+        with pytest.raises(EngineCallError, match="unknown control method"):
+            await channel.control("refit_pause")
+        # the caller's deadline passes: the engine still runs the call to its end
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(channel.control("slow", "a"), 0.2)
+        release.set()
+        await asyncio.sleep(0.2)
+        assert finished == ["a"]
+        # the connection closes mid-call: the caller sees EngineLost, the engine still finishes it
+        started.clear(), release.clear()
+        call = asyncio.ensure_future(channel.control("slow", "b"))
+        await asyncio.wait_for(started.wait(), 10)
+        for task in list(server._conns):
+            task.cancel()
+        with pytest.raises(EngineLost):
+            await asyncio.wait_for(call, 10)
+        release.set()
+        await asyncio.sleep(0.2)
+        assert finished == ["a", "b"]
+        assert await channel.control("add", 1, 1) == {"sum": 2, "args": [1, 1]}  # reconnected
+    finally:
+        channel.close()
+        server.close()

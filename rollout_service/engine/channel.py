@@ -5,15 +5,20 @@ Why: a Ray actor call costs both sides CPU in Ray's task machinery (task spec, s
 actor's event loop, the result's serialization into a Ray object, the owner's bookkeeping), about
 ten times what a socket with msgpack frames costs (docs/benchmarks.md, "Figures kept out of the
 code"). The data plane makes one such
-call per turn; the control plane (pause, refit, health, weight versions) stays on Ray calls,
-which are rare and need Ray's failure semantics.
+call per turn. The control plane (health, weight versions, a refit's failure path) stays on Ray
+calls; a refit's three happy-path fan-outs may go over the channel too (``ctl`` frames, below),
+because a refit's stall on a fleet of many engines is mostly the Ray-call cost of its fan-outs
+(docs/scale.md).
 
 Wire: every frame is a 4-byte big-endian length and a msgpack array (msgspec, the encoder vLLM
 itself uses between its processes). Client to engine: ``["hello", token]`` once, then
 ``["gen", id, stream, request]`` and ``["cancel", id]``. Engine to client: ``["chunk", id, chunk]``
 (one per batched chunk; a non-streaming call sends its whole generation as one), ``["end", id]``,
-``["error", id, type, message, client_error, parameter]``. Calls are multiplexed on the one
-connection. The token (random, from the engine, handed out by the fleet with the address) keeps
+``["error", id, type, message, client_error, parameter]``; control: ``["ctl", id, method, args]``
+(``method`` one of the names the engine registers, e.g. ``refit_pause``) answered by
+``["result", id, value]`` or ``error``. Calls are multiplexed on the one connection. A control call
+is not cancelled by its caller giving up or by the connection closing: like a Ray actor call, it
+runs to its end in the engine (a half-done pause or load must not be torn). The token (random, from the engine, handed out by the fleet with the address) keeps
 anything else that reaches the port out; frames are decoded as plain msgpack into typed objects,
 never unpickled.
 
@@ -36,7 +41,7 @@ import secrets
 import socket
 import struct
 import sys
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import msgspec
 
@@ -130,10 +135,13 @@ class ChannelServer:
     the engine replica's own methods. Closing a call's task aborts its vLLM request (the replica's
     generators abort in their ``finally``)."""
 
-    def __init__(self, generate: Callable[[Any], AsyncIterator], generate_all: Callable[[Any], Any]):
+    def __init__(self, generate: Callable[[Any], AsyncIterator], generate_all: Callable[[Any], Any],
+                 control: Mapping[str, Callable[..., Awaitable[Any]]] | None = None):
         self._generate, self._generate_all = generate, generate_all
+        self._control = dict(control or {})
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task] = set()
+        self._control_calls: set[asyncio.Task] = set()  # held to their end, never cancelled
         self.token = secrets.token_hex(16)
         self.address: ChannelAddress | None = None
 
@@ -170,6 +178,10 @@ class ChannelServer:
                     cid = msg[1]
                     calls[cid] = asyncio.get_running_loop().create_task(
                         self._call(cid, bool(msg[2]), msg[3], writer, encoder, calls))
+                elif kind == "ctl" and len(msg) == 4 and isinstance(msg[1], int) and isinstance(msg[3], list):
+                    task = asyncio.get_running_loop().create_task(self._run_control(msg[1], msg[2], msg[3], writer, encoder))
+                    self._control_calls.add(task)
+                    task.add_done_callback(self._control_calls.discard)
                 elif kind == "cancel" and len(msg) == 2:
                     task = calls.pop(msg[1], None)
                     if task is not None:
@@ -213,6 +225,20 @@ class ChannelServer:
             calls.pop(cid, None)
 
 
+    async def _run_control(self, cid: int, method: Any, args: list, writer: asyncio.StreamWriter,
+                           encoder: msgspec.msgpack.Encoder) -> None:
+        try:
+            fn = self._control.get(method) if isinstance(method, str) else None
+            if fn is None:
+                raise ValueError(f"unknown control method {str(method)[:80]!r}")
+            frame = _frame(encoder, ["result", cid, await fn(*args)])
+        except Exception as exc:
+            frame = _frame(encoder, ["error", cid, type(exc).__name__, str(exc)[:2000], False, None])
+        if not writer.is_closing():
+            with contextlib.suppress(Exception):
+                writer.write(frame)
+
+
 # --------------------------------------------------------------------------------- client side
 class EngineChannel:
     """One connection to one engine, opened on first use; calls are multiplexed on it."""
@@ -247,6 +273,32 @@ class EngineChannel:
                 self._reader, self._writer = reader, writer
                 self._reading = asyncio.get_running_loop().create_task(self._read_loop(reader))
         return self._writer
+
+    async def connect(self) -> None:
+        """Open the connection now (raises EngineLost if it cannot be opened)."""
+        await self._ensure()
+
+    async def control(self, method: str, *args: Any) -> Any:
+        """Run the engine's control method ``method(*args)`` (msgpack-encodable arguments and
+        result) and return its result. Raises EngineLost when the connection is lost before the
+        answer (the call may or may not have run), EngineCallError for an error in the engine.
+        Giving up on the call does not cancel it in the engine."""
+        writer = await self._ensure()
+        cid = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._calls[cid] = queue
+        try:
+            writer.write(_frame(self._encoder, ["ctl", cid, method, list(args)]))
+            msg = await queue.get()
+        finally:
+            self._calls.pop(cid, None)
+        if msg[0] == "result":
+            return msg[2]
+        if msg[0] == "error":
+            if msg[2] in _ENGINE_GONE:
+                raise EngineLost(f"engine {self.address}: {msg[2]}: {msg[3]}")
+            raise _remote_error(*msg[2:6])
+        raise EngineLost(f"engine channel {self.address} {msg[1]}")
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         decoder = msgspec.msgpack.Decoder()

@@ -7,7 +7,9 @@ the backup, then resume; the aborted count after). Each phase is what the step-b
 in the same order on this engine and through the same methods (so a fault injected into one of
 them lands in the same place); what changes is the number of Ray calls per refit, which is what a
 refit's stall grows with on a fleet of many engines (docs/scale.md). The step-by-step methods stay:
-a replacement's load, the NCCL round and a restarted controller's recovery use them.
+a replacement's load, the NCCL round and a restarted controller's recovery use them. The three
+phases are reached by Ray calls or over the engine's data channel (:meth:`RefitSteps.refit_control`):
+the same methods either way.
 
 A mixin of both engine actors (:class:`~rollout_service.engine.replica.EngineReplica` and
 :class:`~rollout_service.engine.simulated.SimulatedEngine`), whose ``pause``, ``resume``,
@@ -34,6 +36,12 @@ def step_error(exc: BaseException) -> str:
 
 
 class RefitSteps:
+    def refit_control(self) -> dict[str, Any]:
+        """The three phases by name: what the engine's data channel serves as control calls, so a
+        refit controller can reach them without a Ray call per engine (``refit.control: channel``)."""
+        return {"refit_pause": self.refit_pause, "refit_apply": self.refit_apply,
+                "refit_commit_resume": self.refit_commit_resume}
+
     async def refit_pause(self, clear_cache: bool = False) -> dict[str, Any]:
         """The counts a refit report carries (taken before the pause), then pause in keep mode."""
         in_flight, aborted = self.num_in_flight(), self.num_aborted()

@@ -136,7 +136,7 @@ class EngineReplica(RefitSteps, Scoring):
         plane's path to the engine (idempotent). See :mod:`rollout_service.engine.channel`."""
 
         if self._channel is None:
-            self._channel = ChannelServer(self.generate, self.generate_all)
+            self._channel = ChannelServer(self.generate, self.generate_all, self.refit_control())
         if host is None:
             import ray
 

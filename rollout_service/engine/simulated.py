@@ -287,7 +287,7 @@ class SimulatedEngine(RefitSteps):
 
     async def open_channel(self, host: str | None = None):
         if self._channel is None:
-            self._channel = ChannelServer(self.generate, self.generate_all)
+            self._channel = ChannelServer(self.generate, self.generate_all, self.refit_control())
         if host is None:
             import ray
 

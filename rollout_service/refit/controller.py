@@ -29,6 +29,7 @@ from rollout_service.fleet.types import FleetView, Member, actor_identity, is_ac
 from rollout_service.weights.collective import ABORT_MESSAGE
 from rollout_service.metrics import get_metrics
 from rollout_service.engine.refit_steps import STEPS as APPLY_STEPS
+from rollout_service.refit.control import EngineControl
 from rollout_service.refit.nccl import NcclRounds
 from rollout_service.refit.recovery import RestartRecovery
 from rollout_service.refit.transports import bytes_of
@@ -68,6 +69,7 @@ class RefitController(NcclRounds, RestartRecovery):
         self._num_refits = 0
         self._num_failed_refits = 0
         self._nccl: dict[str, Any] | None = None  # the NCCL round in progress: members, lease deadline
+        self._control = EngineControl(self.config.refit.control)  # the three phases: data channel or Ray
         # Ray restarts a controller that died (max_restarts): the new incarnation first ends the refit
         # the old one may have left half-done (_end_abandoned_refit), before anything else.
         _, self._reconstructed = actor_identity()
@@ -112,6 +114,7 @@ class RefitController(NcclRounds, RestartRecovery):
     def update_config(self, config: dict) -> None:
         """A redeploy's config: refit settings apply from the next refit (engines are the fleet's)."""
         self.config = RolloutServiceConfig.model_validate(config)
+        self._control.mode = self.config.refit.control
 
     async def _view(self) -> FleetView:
         await self.start()
@@ -332,8 +335,9 @@ class RefitController(NcclRounds, RestartRecovery):
     async def _refit_locked(self, version, transfer, clear_cache, timeout, fail_load_after_tensors,
                             view: FleetView) -> RefitReport:
         """Three fan-outs, one engine call each (rollout_service.engine.refit_steps): pause (with the
-        counts), apply (stage, load, label), commit + resume. No engine resumes before every engine
-        is loaded and labelled; from there the refit rolls forward."""
+        counts), apply (stage, load, label), commit + resume, over the engines' data channels or by
+        Ray calls (rollout_service.refit.control). No engine resumes before every engine is loaded
+        and labelled; from there the refit rolls forward."""
         engines = view.handles()
         previous = self.weight_version
         report = RefitReport(
@@ -347,18 +351,19 @@ class RefitController(NcclRounds, RestartRecovery):
         resumed: set[int] = set()  # id() of the handles the commit phase resumed
         aborted_before: dict[int, int] = {}  # id(handle) -> its aborted count before the refit
         aborted_after: int | None = None
+        await self._control.prepare(view.members, timeout)
         t_start = time.perf_counter()
         try:
-            async def pause(e):
+            async def pause(m: Member):
                 # Recorded before the call: a pause that times out or fails half-way may still land,
                 # and every engine asked to pause is resumed on the way out (resume is idempotent).
-                paused.append(e)
-                counts = await e.refit_pause.remote(clear_cache)
-                aborted_before[id(e)] = counts["aborted"]
+                paused.append(m.handle)
+                counts = await self._control.call(m, "refit_pause", clear_cache)
+                aborted_before[id(m.handle)] = counts["aborted"]
                 return counts
 
             t0 = time.perf_counter()
-            counts = await asyncio.wait_for(asyncio.gather(*[pause(e) for e in engines]), timeout)
+            counts = await asyncio.wait_for(asyncio.gather(*[pause(m) for m in view.members]), timeout)
             report.pause_s = time.perf_counter() - t0
             report.requests_in_flight = sum(c["in_flight"] for c in counts)
 
@@ -367,8 +372,9 @@ class RefitController(NcclRounds, RestartRecovery):
             kwargs = {"fail_after_tensors": fail_load_after_tensors} if fail_load_after_tensors is not None else None
             stage = transfer.engine_stage()
             applied = await asyncio.gather(
-                *[asyncio.wait_for(e.refit_apply.remote(stage, version, kwargs, timeout),
-                                   len(APPLY_STEPS) * timeout + APPLY_MARGIN_S) for e in engines],
+                *[asyncio.wait_for(self._control.call(m, "refit_apply", stage, version, kwargs, timeout,
+                                                      ray_only="refs" in stage),  # refs cannot cross the channel
+                                   len(APPLY_STEPS) * timeout + APPLY_MARGIN_S) for m in view.members],
                 return_exceptions=True)
             apply_s = time.perf_counter() - t0
             done = [a for a in applied if not isinstance(a, BaseException)]
@@ -462,7 +468,7 @@ class RefitController(NcclRounds, RestartRecovery):
         answered."""
         t0 = time.perf_counter()
         results = await asyncio.gather(
-            *[asyncio.wait_for(m.handle.refit_commit_resume.remote(timeout), 2 * timeout) for m in view.members],
+            *[asyncio.wait_for(self._control.call(m, "refit_commit_resume", timeout), 2 * timeout) for m in view.members],
             return_exceptions=True)
         report.resume_s = time.perf_counter() - t0
         commit_errors, resume_errors = [], []
