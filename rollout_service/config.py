@@ -138,7 +138,8 @@ class EngineConfig(_Strict):
         description="How the data plane reaches an engine for generations. `tcp`: one connection per replica "
         "process and engine, msgpack frames, calls multiplexed (the engine actor serves it on a port of its node; "
         "rollout_service/engine/channel.py). `ray`: a Ray actor call per generation (a Ray object per streamed "
-        "chunk), which costs both sides ~1 ms more CPU per call. The control plane always uses Ray calls.",
+        "chunk), which costs both sides ~1 ms more CPU per call. The control plane uses Ray calls, except a refit's "
+        "three phases under refit.control: channel.",
     )
     stream_batch_window_s: float = Field(
         0.05,

@@ -258,13 +258,15 @@ REFIT_FAULTS = [
 ]
 
 
+@pytest.mark.parametrize("control", ["channel", "ray"])
 def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_resumed_on_one_version(
-        heal_app, tiny_model_dir, tmp_path):
+        heal_app, tiny_model_dir, redis_server, tmp_path, control, request):
     """One failure path for every step: a fault injected into one engine of the fleet (the call
     raises before or after doing its work), or one engine stalled by SIGSTOP during the pause. The
     refit fails with the step named, every engine ends unpaused on the previous weights and
     version; a fault past the point of no return (commit, resume) leaves the refit committed, every
-    engine unpaused on the new version. The next refit and rollouts work."""
+    engine unpaused on the new version. The next refit and rollouts work. Both ways the controller
+    reaches the engines (refit.control): over their data channels and by Ray calls."""
     from rollout_service.refit.client import TrainerClient
     from rollout_service.refit.controller import controller_name, get_controller
     from rollout_service.refit.types import RefitFailed
@@ -273,7 +275,18 @@ def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_res
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copy(tiny_model_dir / "model.safetensors", ckpt / "model.safetensors")
-    trainer = TrainerClient(get_controller(controller_name(APP)), timeout_s=60)
+    cfg = _config(tiny_model_dir, redis_server)
+    controller = get_controller(controller_name(APP))
+    ray.get(controller.update_config.remote(
+        cfg.model_copy(update={"refit": cfg.refit.model_copy(update={"control": control})}).model_dump()), timeout=60)
+    request.addfinalizer(lambda: ray.get(controller.update_config.remote(cfg.model_dump()), timeout=60))
+    trainer = TrainerClient(controller, timeout_s=60)
+
+    def control_calls():
+        return sum(ray.get([m.handle.health.remote() for m in ray.get(fleet.view.remote(), timeout=60).members],
+                           timeout=60)[i]["control_calls"] for i in range(ENGINES))
+
+    calls_before = control_calls()
 
     def settled(version):
         states = _engine_states(fleet)
@@ -291,18 +304,18 @@ def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_res
             ray.get(victim.handle.inject_fault.remote(method, when), timeout=60)
         t0 = time.monotonic()
         if step is None:
-            report = trainer.refit(f"f{i}", str(ckpt), transport="path", timeout_s=3)
+            report = trainer.refit(f"f{i}-{control}", str(ckpt), transport="path", timeout_s=3)
             assert report["ok"] and f"{method.removeprefix('rs_')} failed" in report["error"], report
             assert report["commit_failed"] == ([victim.slot] if method == "rs_commit" else [])
-            waited = _wait(lambda: settled(f"f{i}") and time.monotonic() - t0, 30,
+            waited = _wait(lambda: settled(f"f{i}-{control}") and time.monotonic() - t0, 30,
                            f"{method} {when}: an engine was left paused or on another version")
             assert len(set(trainer.weights_checksums())) == 1
-            assert ray.get(fleet.stats.remote(), timeout=60)["weight_version"] == f"f{i}"
-            print(f"{method} {when}: committed f{i}, all serving it unpaused after {waited:.2f}s")
+            assert ray.get(fleet.stats.remote(), timeout=60)["weight_version"] == f"f{i}-{control}"
+            print(f"{method} {when}: committed f{i}-{control}, all serving it unpaused after {waited:.2f}s")
             continue
         try:
             with pytest.raises(RefitFailed) as err:
-                trainer.refit(f"f{i}", str(ckpt), transport="path", timeout_s=3)
+                trainer.refit(f"f{i}-{control}", str(ckpt), transport="path", timeout_s=3)
         finally:
             if pid is not None:
                 os.kill(pid, signal.SIGCONT)
@@ -319,9 +332,13 @@ def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_res
         assert sorted(trainer.weights_checksums()) == sums
         assert ray.get(fleet.stats.remote(), timeout=60)["refitting"] is False
 
-    report = trainer.refit("after-faults", str(ckpt), transport="path")
+    report = trainer.refit(f"after-faults-{control}", str(ckpt), transport="path")
     assert report["ok"] and len(report["engines"]) == ENGINES
-    assert settled("after-faults")
+    assert settled(f"after-faults-{control}")
+    # the path taken: control frames on the engines' channels, or none at all under Ray calls
+    # (engines replaced meanwhile start their count at 0: the sum is a lower bound)
+    served = control_calls() - calls_before
+    assert served > 0 if control == "channel" else served <= 0, served
     failures: list = []
     assert asyncio.run(_rollouts(base, "rf", 20, failures)) == 20 and failures == []
 

@@ -142,6 +142,7 @@ class ChannelServer:
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task] = set()
         self._control_calls: set[asyncio.Task] = set()  # held to their end, never cancelled
+        self.control_calls = 0  # control calls served (health: which path a refit took)
         self.token = secrets.token_hex(16)
         self.address: ChannelAddress | None = None
 
@@ -179,6 +180,7 @@ class ChannelServer:
                     calls[cid] = asyncio.get_running_loop().create_task(
                         self._call(cid, bool(msg[2]), msg[3], writer, encoder, calls))
                 elif kind == "ctl" and len(msg) == 4 and isinstance(msg[1], int) and isinstance(msg[3], list):
+                    self.control_calls += 1
                     task = asyncio.get_running_loop().create_task(self._run_control(msg[1], msg[2], msg[3], writer, encoder))
                     self._control_calls.add(task)
                     task.add_done_callback(self._control_calls.discard)
@@ -281,7 +283,8 @@ class EngineChannel:
     async def control(self, method: str, *args: Any) -> Any:
         """Run the engine's control method ``method(*args)`` (msgpack-encodable arguments and
         result) and return its result. Raises EngineLost when the connection is lost before the
-        answer (the call may or may not have run), EngineCallError for an error in the engine.
+        answer (the call may or may not have run) or the engine answers that it cannot serve (then
+        with ``answered = True``), EngineCallError for an error in the engine.
         Giving up on the call does not cancel it in the engine."""
         writer = await self._ensure()
         cid = next(self._ids)
@@ -295,8 +298,10 @@ class EngineChannel:
         if msg[0] == "result":
             return msg[2]
         if msg[0] == "error":
-            if msg[2] in _ENGINE_GONE:
-                raise EngineLost(f"engine {self.address}: {msg[2]}: {msg[3]}")
+            if msg[2] in _ENGINE_GONE:  # the engine answered that it cannot serve (not a lost connection)
+                lost = EngineLost(f"engine {self.address}: {msg[2]}: {msg[3]}")
+                lost.answered = True
+                raise lost
             raise _remote_error(*msg[2:6])
         raise EngineLost(f"engine channel {self.address} {msg[1]}")
 

@@ -24,6 +24,8 @@ import time
 from typing import Any
 
 STEPS = ("transfer", "load", "label")  # refit_apply's steps, in order (the names a refit report uses)
+STAGE_COLLECTIVE = "rs_stage_collective"  # the worker methods that stage a refit's weights
+STAGE_PATH = "rs_stage_path"
 
 
 def step_error(exc: BaseException) -> str:
@@ -38,8 +40,21 @@ def step_error(exc: BaseException) -> str:
 class RefitSteps:
     def refit_control(self) -> dict[str, Any]:
         """The three phases by name: what the engine's data channel serves as control calls, so a
-        refit controller can reach them without a Ray call per engine (``refit.control: channel``)."""
-        return {"refit_pause": self.refit_pause, "refit_apply": self.refit_apply,
+        refit controller can reach them without a Ray call per engine (``refit.control: channel``).
+        Over the channel a stage may only name the staging methods (``refit_apply`` runs any worker
+        method a stage names: a Ray handle's holder may, a channel token's holder may not)."""
+
+        async def apply_staged(stage: dict[str, Any], *args: Any) -> dict[str, Any]:
+            if not isinstance(stage, dict) or set(stage) - {"rpc", "args"} or stage.get("rpc") not in (STAGE_PATH,
+                                                                                                     STAGE_COLLECTIVE):
+                raise ValueError("a refit over the channel stages only through "
+                                 f"{STAGE_PATH} or {STAGE_COLLECTIVE}, got {str(stage)[:120]}")
+            return await self.refit_apply(stage, *args)
+
+        async def ready() -> bool:
+            return True
+
+        return {"refit_ready": ready, "refit_pause": self.refit_pause, "refit_apply": apply_staged,
                 "refit_commit_resume": self.refit_commit_resume}
 
     async def refit_pause(self, clear_cache: bool = False) -> dict[str, Any]:

@@ -348,6 +348,7 @@ class EngineReplica(RefitSteps, Scoring):
             "in_flight": len(self._in_flight),
             "startup_s": self._startup_s,
             "pid": os.getpid(),
+            "control_calls": self._channel.control_calls if self._channel is not None else 0,
         }
 
     def process_info(self) -> dict[str, Any]:

@@ -598,6 +598,7 @@ class SimulatedEngine(RefitSteps):
             "in_flight": len(self._by_id),
             "startup_s": self._startup_s,
             "pid": os.getpid(),
+            "control_calls": self._channel.control_calls if self._channel is not None else 0,
             "backend": "simulated",
             "running": len(self._running),
             "waiting": len(self._waiting),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from rollout_service.engine.channel import EngineChannel
@@ -31,6 +32,7 @@ from rollout_service.fleet.types import Member, is_actor_dead
 logger = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 5.0  # asking Ray whether an engine whose control connection was lost still lives
+READY_TIMEOUT_S = 10.0  # a connection's check before a refit (longer: the engine goes by Ray calls)
 
 
 class ControlLost(RuntimeError):
@@ -51,10 +53,12 @@ class EngineControl:
         return None if address is None else (m.slot, m.generation, address.host, address.port, address.token)
 
     async def prepare(self, members, timeout: float) -> None:
-        """Open the connections a refit over ``members`` will use (before its pause: not part of
-        the stall), and close those of engines that left. An engine whose connection cannot be
-        opened is reached by Ray calls."""
+        """Open (and check, by a ``refit_ready`` call) the connections a refit over ``members``
+        will use, before its pause: not part of the stall. Closes those of engines that left, or
+        all of them when the mode is not ``channel``. An engine whose connection cannot be opened
+        or does not answer is reached by Ray calls in this refit."""
         if self.mode != "channel":
+            self.close()
             return
         keys = {k for k in map(self._key, members) if k is not None}
         for key in [k for k in self._channels if k not in keys]:
@@ -64,18 +68,18 @@ class EngineControl:
             if key is not None and key not in self._channels:
                 self._channels[key] = EngineChannel(m.channel)
 
-        async def connect(key):
+        async def check(key):
             try:
-                await asyncio.wait_for(self._channels[key].connect(), timeout)
+                await asyncio.wait_for(self._channels[key].control("refit_ready"), min(timeout, READY_TIMEOUT_S))
             except Exception as exc:  # noqa: BLE001 - that engine goes by Ray calls
-                logger.info("refit control: no channel to engine %s (%s); using Ray calls", key[:2], exc)
+                logger.info("refit control: no channel to engine slot %s (%s); using Ray calls", key[0], exc)
                 self._channels.pop(key).close()
 
-        await asyncio.gather(*[connect(k) for k in keys if k in self._channels])
+        await asyncio.gather(*[check(k) for k in keys if k in self._channels])
 
     def channel(self, m: Member) -> EngineChannel | None:
         key = self._key(m)
-        return None if key is None else self._channels.get(key)
+        return None if key is None or self.mode != "channel" else self._channels.get(key)
 
     async def call(self, m: Member, method: str, *args: Any, ray_only: bool = False) -> Any:
         """``m``'s ``method(*args)``: over its control connection if it has one (and ``ray_only``
@@ -86,15 +90,22 @@ class EngineControl:
         try:
             return await channel.control(method, *args)
         except EngineLost as exc:
+            if getattr(exc, "answered", False):  # the engine said it cannot serve: as a dead engine
+                raise
             raise await self._why_lost(m, exc) from None
 
     async def _why_lost(self, m: Member, lost: EngineLost) -> BaseException:
-        """The engine's death as Ray reports it, or ControlLost when Ray still reaches it."""
-        try:
-            await asyncio.wait_for(m.handle.num_in_flight.remote(), PING_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - classified below
-            if is_actor_dead(exc):
-                return exc
+        """The engine's death as Ray reports it, or ControlLost when Ray reaches it (or cannot tell
+        within PING_TIMEOUT_S: a stalled engine is not a dead one)."""
+        deadline = time.monotonic() + PING_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(m.handle.num_in_flight.remote(), left)
+                break
+            except Exception as exc:  # noqa: BLE001 - classified here
+                if is_actor_dead(exc):
+                    return exc
+                await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         return ControlLost(f"control connection to engine slot {m.slot} lost: {lost}")
 
     def close(self) -> None:

@@ -115,6 +115,8 @@ class RefitController(NcclRounds, RestartRecovery):
         """A redeploy's config: refit settings apply from the next refit (engines are the fleet's)."""
         self.config = RolloutServiceConfig.model_validate(config)
         self._control.mode = self.config.refit.control
+        if self._control.mode != "channel":
+            self._control.close()
 
     async def _view(self) -> FleetView:
         await self.start()
@@ -571,8 +573,10 @@ class RefitController(NcclRounds, RestartRecovery):
         return int(sum(v for v in values if isinstance(v, int)))
 
     async def shutdown(self) -> None:
-        """Nothing to stop: the engines belong to the fleet (``EngineFleet.shutdown``)."""
+        """Nothing to stop but its control connections: the engines belong to the fleet
+        (``EngineFleet.shutdown``)."""
         self._weight_sync = None
+        self._control.close()
 
 
 def _overall(step_timeout: float) -> float:

@@ -24,9 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Dedicated to our worker-extension methods (rollout_service.weights.worker_extension).
-STAGE_COLLECTIVE = "rs_stage_collective"
-STAGE_PATH = "rs_stage_path"
+# The staging worker methods (rollout_service.weights.worker_extension) a transfer names.
+from rollout_service.engine.refit_steps import STAGE_COLLECTIVE, STAGE_PATH
 
 
 def bytes_of(results: list[list[dict[str, Any]]]) -> tuple[int, float]:
