@@ -252,18 +252,23 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
         cleanup.append(lambda: shutil.rmtree(ckpt, ignore_errors=True))  # replacements load from it
         modes = list(dict.fromkeys([cfg.refit.control, *args.compare_control]))  # alternated, same service
         reports: dict[str, list] = {mode: [] for mode in modes}
+        controller_cpu: dict[str, list] = {mode: [] for mode in modes}  # the controller's own CPU per refit
         for i in range(args.refits):
             for mode in modes:
                 if len(modes) > 1:
                     ray.get(svc.controller.update_config.remote(
                         cfg.model_copy(update={"refit": cfg.refit.model_copy(update={"control": mode})}).model_dump()))
+                c0 = cpu_by_role().get("controller", 0.0)
                 reports[mode].append(trainer.refit(f"s{n}-{mode}-{i}", str(ckpt), transport="path"))
+                controller_cpu[mode].append(cpu_by_role().get("controller", 0.0) - c0)
+        row["refit_controller_cpu_ms_by_control"] = {m: 1e3 * statistics.median(v) for m, v in controller_cpu.items()}
         row["refit_stall_ms"] = 1e3 * statistics.median(r["stall_s"] for r in reports[modes[0]])
         row["refit_control_ms"] = 1e3 * statistics.median(r["control_s"] for r in reports[modes[0]])
         row["refit_stall_ms_by_control"] = {m: 1e3 * statistics.median(r["stall_s"] for r in reports[m]) for m in modes}
         if len(modes) > 1:
             print(f"  refit stall at {n} engines, median of {args.refits} (alternated): "
-                  + ", ".join(f"{m} {v:.0f} ms" for m, v in row["refit_stall_ms_by_control"].items()), flush=True)
+                  + ", ".join(f"{m} {v:.0f} ms (controller CPU {row['refit_controller_cpu_ms_by_control'][m]:.0f} ms)"
+                              for m, v in row["refit_stall_ms_by_control"].items()), flush=True)
 
         # the fleet's probing while idle
         fleet_pids = processes()["fleet"]

@@ -1,4 +1,4 @@
-"""``rollout-service`` command line: build-tiny-model, up, demo, status."""
+"""``rollout-service`` command line: build-tiny-model, up, demo, status, prime-rl-admin."""
 
 from __future__ import annotations
 
@@ -52,6 +52,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(json.dumps(status, indent=2) if args.json else format_status(status, url))
     serving = [e for e in status.get("engines", []) if e.get("state") in ("healthy", "suspect")]
     return 0 if serving and not status.get("errors") else 1
+
+
+def _cmd_prime_rl_admin(args: argparse.Namespace) -> int:
+    import os
+
+    from rollout_service.ops.prime_rl import run_admin
+
+    return run_admin(service_url=args.url, host=args.host, port=args.port, ray_address=args.ray_address,
+                     instance_name=args.instance_name,
+                     api_key=args.api_key or os.environ.get("ROLLOUT_SERVICE_ADMIN_API_KEY"),
+                     service_api_key=args.service_api_key or os.environ.get("ROLLOUT_SERVICE_API_KEY"))
 
 
 def format_status(status: dict, url: str) -> str:
@@ -164,6 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="default: $ROLLOUT_SERVICE_API_KEY")
     s.add_argument("--timeout", type=float, default=60.0)
     s.set_defaults(func=_cmd_status)
+
+    a = sub.add_parser("prime-rl-admin", help="answer prime-rl's inference admin calls (pause, update_weights, resume) "
+                                              "for a running service: docs/data-plane.md")
+    a.add_argument("--url", default="http://127.0.0.1:8000", help="the service (its /health and /v1/models are relayed)")
+    a.add_argument("--host", default="127.0.0.1")
+    a.add_argument("--port", type=int, default=8001)
+    a.add_argument("--ray-address", default=None, help="the service's Ray cluster (default: auto)")
+    a.add_argument("--instance-name", default=None, help="the service's service.instance_name, if not the default")
+    a.add_argument("--api-key", default=None, help="required of callers (default: $ROLLOUT_SERVICE_ADMIN_API_KEY; "
+                                                   "prime-rl sends its client's api_key_var as a bearer token)")
+    a.add_argument("--service-api-key", default=None, help="for the relayed calls (default: $ROLLOUT_SERVICE_API_KEY)")
+    a.set_defaults(func=_cmd_prime_rl_admin)
     return p
 
 
