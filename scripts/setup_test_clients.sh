@@ -60,6 +60,9 @@ if [ ! -f "$vf/.installed" ]; then
   echo "[setup] installing verifiers 0.4 (a whole environment with its train client, for tests) into $vf"
   rm -rf "$vf"
   .venv/bin/python -m venv "$vf"
-  "$vf/bin/pip" install -q "verifiers==0.4.0" "renderers==0.1.12" 2>&1 | grep -v "is ignored" || true
+  if ! "$vf/bin/pip" install -q "verifiers==0.4.0" "renderers==0.1.12" "openai==2.54.0" > "$vf.log" 2>&1; then
+    grep -v "is ignored" "$vf.log" | tail -20; rm -rf "$vf"; exit 1
+  fi
+  rm -f "$vf.log"
   touch "$vf/.installed"
 fi

@@ -4,10 +4,11 @@ with its own fleet and refit controller (what is tested is the adapter and the r
 not an engine; the path refit on the real engine has its own tests).
 
 ``/health`` and ``/v1/models`` are the service's answers; ``/pause`` and ``/resume`` are accepted;
-``/update_weights {"weight_dir"}`` refits every engine from that directory under its name, after
-which the service's turns carry that version; the same directory again answers without a refit;
-a missing or empty ``weight_dir`` is a 400, a name used for other weights a 409; NCCL and LoRA
-routes are 404 (prime-rl skips them); without the API key, 401."""
+``/update_weights {"weight_dir"}`` refits every engine from that directory under a label of its
+name and digest, after which the service's turns carry that version; the same directory again
+answers without a refit; another run's step of the same name is another version; a missing,
+relative or empty ``weight_dir`` is a 400 (also from the real engine); NCCL and LoRA routes are
+404 (prime-rl skips them); without the API key, 401."""
 
 from __future__ import annotations
 
@@ -101,40 +102,76 @@ def test_prime_rls_admin_calls_refit_the_service_and_its_turns_carry_the_new_ver
         shutil.copy(tiny_model_dir / "model.safetensors", step / "model.safetensors")
         assert http.post(f"{url}/pause", params={"mode": "keep", "clear_cache": "false"}, headers=auth).status_code == 200
         r = http.post(f"{url}/update_weights", json={"weight_dir": str(step)}, headers=auth)
-        assert r.status_code == 200 and r.json()["weight_version"] == "step_1", r.text
-        assert sorted(r.json()["refit"]["engines"]) == [0, 1]
+        assert r.status_code == 200, r.text
+        v1 = r.json()["weight_version"]
+        assert v1.startswith("step_1-") and sorted(r.json()["refit"]["engines"]) == [0, 1], r.text
         assert http.post(f"{url}/resume", headers=auth).status_code == 200
 
         status = http.get(f"{base}/v1/status").json()
-        assert status["weight_version"] == "step_1" and status["refits"]["committed"] == 1, status
+        assert status["weight_version"] == v1 and status["refits"]["committed"] == 1, status
         turn = http.post(f"{base}/v1/chat/completions", headers={"X-Rollout-Id": "primerl-after"}, json={
             "model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 1})
         assert turn.status_code == 200, turn.text
         traj = http.get(f"{base}/v1/rollouts/primerl-after").json()
-        assert {s["version"] for s in traj["segments"][0]["weight_versions"]} == {"step_1"}
+        assert {s["version"] for s in traj["segments"][0]["weight_versions"]} == {v1}
 
         # a retried call: no second refit
         again = http.post(f"{url}/update_weights", json={"weight_dir": str(step) + "/"}, headers=auth)
-        assert again.status_code == 200 and again.json()["refit"] is None
+        assert again.status_code == 200 and again.json() == {"status": "ok", "weight_version": v1, "refit": None}
         assert http.get(f"{base}/v1/status").json()["refits"]["committed"] == 1
 
-        # client mistakes: 400 / 409, and nothing changed
-        for body in ({}, {"weight_dir": None}, {"weight_dir": ""}, {"weight_dir": 3}):
+        # client mistakes: 400, and nothing changed
+        for body in ({}, {"weight_dir": None}, {"weight_dir": ""}, {"weight_dir": 3}, {"weight_dir": "step_2"}):
             bad = http.post(f"{url}/update_weights", json=body, headers=auth)
             assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", (body, bad.text)
         missing = http.post(f"{url}/update_weights", json={"weight_dir": str(tmp_path / "nowhere" / "step_2")},
                             headers=auth)
         assert missing.status_code == 400 and missing.json()["error"]["code"] == "bad_weight_dir", missing.text
-        other = tmp_path / "elsewhere" / "step_1"  # a name already used, by other weights
+        assert http.get(f"{base}/v1/status").json()["weight_version"] == v1
+
+        # the same step of another run is other weights: another version; the first directory
+        # loaded again after it: a third version (labels are never reused)
+        other = tmp_path / "other-run" / "step_1"
         other.mkdir(parents=True)
         shutil.copy(tiny_model_dir / "model.safetensors", other / "model.safetensors")
-        step2 = tmp_path / "broadcasts" / "step_2"
-        step2.mkdir()
-        shutil.copy(tiny_model_dir / "model.safetensors", step2 / "model.safetensors")
-        assert http.post(f"{url}/update_weights", json={"weight_dir": str(step2)}, headers=auth).status_code == 200
-        used = http.post(f"{url}/update_weights", json={"weight_dir": str(other)}, headers=auth)
-        assert used.status_code == 409 and used.json()["error"]["code"] == "version_used", used.text
-        assert http.get(f"{base}/v1/status").json()["weight_version"] == "step_2"
+        r2 = http.post(f"{url}/update_weights", json={"weight_dir": str(other)}, headers=auth)
+        assert r2.status_code == 200 and r2.json()["weight_version"] not in (v1, None), r2.text
+        r3 = http.post(f"{url}/update_weights", json={"weight_dir": str(step)}, headers=auth)
+        assert r3.status_code == 200 and r3.json()["weight_version"] == f"{v1}~2", r3.text
+        assert http.get(f"{base}/v1/status").json()["weight_version"] == f"{v1}~2"
+        again = http.post(f"{url}/update_weights", json={"weight_dir": str(step)}, headers=auth)
+        assert again.status_code == 200 and again.json()["refit"] is None
 
         for path in ("/init_broadcaster", "/load_lora_adapter", "/reload_weights"):
-            assert http.post(f"{url}{path}", json={}, headers=auth).status_code == 404
+            gone = http.post(f"{url}{path}", json={}, headers=auth)
+            assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found", gone.text
+
+
+def test_a_checkpoint_the_real_engines_cannot_read_is_a_400_and_changes_nothing(service, tmp_path):
+    """The real vLLM engine reports a missing directory through vLLM's collective RPC (its own
+    message, not the error's type): still a client mistake, 400, the engines on their weights."""
+    import uvicorn
+
+    from rollout_service.ops.prime_rl import build_admin_app
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.controller import get_controller
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(build_admin_app(TrainerClient(get_controller(), timeout_s=60), service.url),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "the adapter did not start"
+            time.sleep(0.05)
+        with httpx.Client(timeout=120) as http:
+            before = http.get(f"{service.url}/v1/status").json()["weight_version"]
+            r = http.post(f"http://127.0.0.1:{port}/update_weights", json={"weight_dir": str(tmp_path / "step_9")})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_weight_dir", r.text
+            assert "checkpoint directory not found" in r.json()["error"]["message"]
+            assert http.get(f"{service.url}/v1/status").json()["weight_version"] == before
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

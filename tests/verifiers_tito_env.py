@@ -9,7 +9,7 @@ agent: it talks OpenAI chat to the interception endpoint verifiers hands it (the
 program follows), several calls per rollout, offering a tool and answering each call with a follow-up
 user message; the environment scores each trace with a ``@vf.reward``.
 
-Run by tests/test_verifiers_env.py in verifiers' own venv (scripts/setup_test_clients.sh makes it):
+Run by tests/test_serve_verifiers_env.py in verifiers' own venv (scripts/setup_test_clients.sh makes it):
 
     <venv>/bin/python tests/verifiers_tito_env.py BASE_URL MODEL_DIR MODEL ROLLOUTS CALLS SEED
 
@@ -69,8 +69,12 @@ class ProbeHarness(vf.Harness[ProbeHarnessConfig]):
             for call in range(int(os.environ.get(CALLS_ENV, "3"))):
                 r = await client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS)
                 msg = r.choices[0].message
-                messages.append({"role": "assistant", "content": msg.content or ""})
-                messages.append({"role": "user", "content": f"And word {call + 1}?"})
+                messages.append(msg.model_dump(exclude_none=True))  # the answer as given (tool calls included)
+                if msg.tool_calls:  # each call gets its result, as an agent loop does
+                    messages += [{"role": "tool", "tool_call_id": c.id, "content": f"meaning {call}"}
+                                 for c in msg.tool_calls]
+                else:
+                    messages.append({"role": "user", "content": f"And word {call + 1}?"})
         finally:
             await client.close()
         return ProgramResult(exit_code=0, stdout="", stderr="")

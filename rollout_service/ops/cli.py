@@ -61,7 +61,8 @@ def _cmd_prime_rl_admin(args: argparse.Namespace) -> int:
 
     return run_admin(service_url=args.url, host=args.host, port=args.port, ray_address=args.ray_address,
                      instance_name=args.instance_name,
-                     api_key=args.api_key or os.environ.get("ROLLOUT_SERVICE_ADMIN_API_KEY"),
+                     api_key=args.api_key or os.environ.get("ROLLOUT_SERVICE_ADMIN_API_KEY")
+                     or os.environ.get("ROLLOUT_SERVICE_API_KEY"),
                      service_api_key=args.service_api_key or os.environ.get("ROLLOUT_SERVICE_API_KEY"))
 
 
@@ -183,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--port", type=int, default=8001)
     a.add_argument("--ray-address", default=None, help="the service's Ray cluster (default: auto)")
     a.add_argument("--instance-name", default=None, help="the service's service.instance_name, if not the default")
-    a.add_argument("--api-key", default=None, help="required of callers (default: $ROLLOUT_SERVICE_ADMIN_API_KEY; "
-                                                   "prime-rl sends its client's api_key_var as a bearer token)")
+    a.add_argument("--api-key", default=None, help="required of callers (default: $ROLLOUT_SERVICE_ADMIN_API_KEY, "
+                                                   "else $ROLLOUT_SERVICE_API_KEY: prime-rl sends its client's "
+                                                   "api_key_var as a bearer token here too); none: loopback only")
     a.add_argument("--service-api-key", default=None, help="for the relayed calls (default: $ROLLOUT_SERVICE_API_KEY)")
     a.set_defaults(func=_cmd_prime_rl_admin)
     return p

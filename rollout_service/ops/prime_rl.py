@@ -10,9 +10,12 @@ adapter is the bridge, a small HTTP server wherever the Ray cluster is reachable
 orchestrator or the trainer):
 
 - ``POST /update_weights {"weight_dir": D}``: a refit from the HF checkpoint directory ``D``
-  (transport ``path``: every engine node reads ``D``; prime-rl's filesystem broadcast writes one per
-  step), labelled with the directory's name (``step_12``), answered when every engine serves it.
-  The directory that is already the current version: 200 without a refit (a retried call).
+  (absolute; transport ``path``: every engine node reads ``D``; prime-rl's filesystem broadcast
+  writes one per step), answered when every engine serves it. Its weight version is the directory's
+  name and a digest (``step_12-3f9a0c1b2d``, :func:`version_label`): the same step of another run,
+  or a directory written again, is another version. The directory that is already the current
+  version: 200 without a refit (a retried call; one asked again while its refit runs waits for
+  that refit); a directory loaded before and replaced since: loaded again as ``<label>~2``.
 - ``POST /pause``, ``POST /resume``: 200, nothing to do. The refit pauses every engine in keep mode
   and resumes it itself; tokens generated between prime-rl's pause and the refit carry the weights
   that made them (per-token weight versions), so nothing is off-policy unlabelled.
@@ -22,10 +25,10 @@ orchestrator or the trainer):
   ``/load_lora_adapter``, ``/reload_weights``, ``/metrics`` (the service's Prometheus endpoint is
   its own; prime-rl's adaptive concurrency then needs fixed in-flight limits).
 
-Errors use the OpenAI envelope: 400 for a missing or unreadable ``weight_dir``, 409 for a refit
-already running or a directory name already used for other weights, 401 without the API key
-(``--api-key``), 502/503 when the service or its controller cannot be reached, 500 for a refit that
-failed in the engines (every engine then serves the previous weights).
+Errors use the OpenAI envelope: 400 for a missing, relative or unreadable ``weight_dir``, 409 for a
+refit of another directory still running, 401 without the API key (``--api-key``), 502/503 when
+the service or its controller cannot be reached, 500 for a refit that failed in the engines (every
+engine then serves the previous weights), 404 for the routes it does not serve.
 """
 
 from __future__ import annotations
@@ -33,16 +36,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import sys
 from pathlib import PurePosixPath
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
 RELAY_TIMEOUT_S = 30.0
+MAX_RELOADS = 100  # one directory loaded again after others, this many times at most
 
 
 def _error(status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
@@ -51,11 +57,34 @@ def _error(status: int, message: str, type_: str, code: str | None = None) -> JS
 
 
 def _missing_checkpoint(report: dict[str, Any]) -> bool:
-    """A refit that failed at staging because the directory holds no checkpoint (a client mistake)."""
+    """A refit that failed at staging because the engines cannot read the directory (a client
+    mistake). The real engine's worker errors reach the controller as vLLM's "Call to
+    collective_rpc method failed: <message>", so the messages are matched, not only the types."""
     error = str(report.get("error") or "")
     return report.get("failed_step") == "transfer" and any(
-        s in error for s in ("FileNotFoundError", "No such file", "NotADirectoryError", "no safetensors",
-                             "no checkpoint"))
+        s in error for s in ("checkpoint directory not found", "FileNotFoundError", "No such file",
+                             "NotADirectoryError", "Not a directory", "PermissionError", "Permission denied"))
+
+
+def version_label(weight_dir: str) -> str:
+    """The weight version a checkpoint directory is loaded under: its name (prime-rl's ``step_N``)
+    and a digest of its absolute path and, where this process can read them, its files' names,
+    sizes and times. The same directory gives the same label (a retried call is recognized); the
+    same step of another run, or a step directory written again, gives another (versions label
+    distinct weights and are never reused)."""
+    import hashlib
+    import os
+
+    path = os.path.normpath(weight_dir)
+    digest = hashlib.sha256(path.encode())
+    try:
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            if entry.is_file():
+                st = entry.stat()
+                digest.update(f"\0{entry.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    except OSError:
+        pass  # not visible here (the engines' nodes read it): the path alone
+    return f"{PurePosixPath(path).name}-{digest.hexdigest()[:10]}"
 
 
 def build_admin_app(trainer, service_url: str, *, api_key: str | None = None, service_api_key: str | None = None):
@@ -69,6 +98,24 @@ def build_admin_app(trainer, service_url: str, *, api_key: str | None = None, se
     bearer = HTTPBearer(auto_error=False)
     relay_headers = {"Authorization": f"Bearer {service_api_key}"} if service_api_key else {}
     base = service_url.rstrip("/")
+    running: dict[str, asyncio.Future] = {}  # version -> its refit, while it runs
+
+    async def load(version: str, weight_dir: str) -> tuple[str, dict[str, Any]]:
+        """The refit, under ``version``; a directory loaded before (and replaced since) again under
+        ``version~2``, ``~3``, ...: the controller never reuses a label."""
+        for n in range(1, MAX_RELOADS + 1):
+            label = version if n == 1 else f"{version}~{n}"
+            try:
+                return label, await trainer.arefit(label, weight_dir, transport="path")
+            except ValueError as exc:
+                if "already used" not in str(exc) or n == MAX_RELOADS:
+                    raise
+        raise AssertionError("unreachable")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):  # unknown routes and methods: the OpenAI envelope too
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error",
+                      "not_found" if exc.status_code == 404 else None)
 
     class Unauthorized(Exception):
         pass
@@ -119,16 +166,23 @@ def build_admin_app(trainer, service_url: str, *, api_key: str | None = None, se
             return _error(400, "weight_dir is required: the HF checkpoint directory to load (prime-rl's filesystem "
                           "weight broadcast); NCCL broadcast goes through the service's own weight sync",
                           "invalid_request_error", "missing_weight_dir")
-        version = PurePosixPath(weight_dir.rstrip("/")).name or weight_dir
+        if not weight_dir.startswith("/"):
+            return _error(400, f"weight_dir must be an absolute path (the engines' nodes read it), got {weight_dir!r}",
+                          "invalid_request_error", "bad_weight_dir")
+        version = await asyncio.to_thread(version_label, weight_dir)
         try:
             current = await asyncio.wait_for(_aget(trainer.controller.current_version.remote()), RELAY_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the controller is unreachable
             return _error(503, f"the refit controller did not answer: {type(exc).__name__}: {exc}"[:500],
                           "service_unavailable", "controller_unreachable")
-        if current == version:
-            return {"status": "ok", "weight_version": version, "refit": None}
+        if current == version or str(current).startswith(f"{version}~"):
+            return {"status": "ok", "weight_version": current, "refit": None}
+        task = running.get(version)  # the same directory asked again while its refit runs: one refit
+        if task is None:
+            task = running[version] = asyncio.ensure_future(load(version, weight_dir))
+            task.add_done_callback(lambda _t, v=version: running.pop(v, None))
         try:
-            report = await trainer.arefit(version, weight_dir, transport="path")
+            version, report = await asyncio.shield(task)
         except RefitInProgress as exc:
             return _error(409, f"a refit is already running: {exc}", "conflict_error", "refit_in_progress")
         except RefitFailed as exc:
@@ -158,23 +212,33 @@ async def _aget(ref):
 def run_admin(*, service_url: str, host: str, port: int, ray_address: str | None, instance_name: str | None,
               api_key: str | None, service_api_key: str | None) -> int:
     """``rollout-service prime-rl-admin``: connect to the service's Ray cluster, find its refit
-    controller, serve until Ctrl-C."""
+    controller, serve until Ctrl-C. Without an API key it listens on loopback only: its
+    ``/update_weights`` loads any checkpoint into every engine."""
     import ray
     import uvicorn
 
     from rollout_service.refit.client import TrainerClient
     from rollout_service.refit.controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE, controller_name
 
-    ray.init(address=ray_address or "auto", log_to_driver=False, ignore_reinit_error=True)
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        print("rollout-service prime-rl-admin: refusing to listen on a non-loopback address without an API key "
+              "(--api-key, $ROLLOUT_SERVICE_ADMIN_API_KEY or $ROLLOUT_SERVICE_API_KEY)", file=sys.stderr)
+        return 2
+    try:
+        ray.init(address=ray_address or "auto", log_to_driver=False, ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError) as exc:
+        print(f"rollout-service prime-rl-admin: no Ray cluster at {ray_address or 'auto'}: {exc}", file=sys.stderr)
+        return 2
     name = controller_name(instance_name) if instance_name else CONTROLLER_NAME
     try:
         controller = ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
     except ValueError:
         print(f"rollout-service prime-rl-admin: no refit controller {name!r} in this Ray cluster "
-              "(is the service up? --instance-name names another one)")
+              "(is the service up? --instance-name names another one)", file=sys.stderr)
         return 2
     app = build_admin_app(TrainerClient(controller), service_url, api_key=api_key, service_api_key=service_api_key)
     print(f"prime-rl admin adapter for {service_url} on http://{host}:{port} "
           f"(prime-rl: admin_base_url = [\"http://{host}:{port}/v1\"])", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    # Ctrl-C: stop within seconds (a refit in flight runs to its end in the controller regardless).
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
