@@ -170,9 +170,10 @@ def config(n: int, args, policy: str | None = None):
                    "enable_prefix_caching": True, "max_model_len": 4096, "sim": sim},
         "service": {"num_affinity_replicas": args.replicas, "default_max_tokens": 64},
         "fleet": {"probe_interval_s": 2.0},
-        "routing": {"policy": policy or "sticky_least_loaded"},
+        "routing": {"policy": policy or "sticky_least_loaded", "load_margin": args.load_margin},
         # an external store (--redis-cluster) is shared by every run: each run its own keys
-        **({"store": {"redis_url": args.redis_url, "key_prefix": f"bench-{n}-{policy or 'default'}"}}
+        **({"store": {"redis_url": args.redis_url,
+                      "key_prefix": f"bench-{n}-{policy or 'default'}-{getattr(args, 'round', 0)}"}}
            if args.redis_url else {}),
     })
 
@@ -328,6 +329,8 @@ def main(argv=None) -> int:
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--routing", action="store_true", help="the routing table: each policy on the same workload")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--load-margin", type=int, default=16, help="routing.load_margin (sticky_least_loaded)")
+    p.add_argument("--repeat", type=int, default=1, help="--routing: rounds of the three policies, alternating")
     p.add_argument("--decode-step-s", type=float, default=0.006)
     p.add_argument("--decode-step-s-per-seq", type=float, default=6e-5)
     p.add_argument("--prefill-s-per-token", type=float, default=5e-5)
@@ -354,9 +357,10 @@ def main(argv=None) -> int:
             args.redis_url = cluster.start()
         if args.routing:
             for n in args.engines:
-                for policy in ("sticky", "least_loaded", "sticky_least_loaded"):
-                    rows.append(run_one(n, args, policy))
-                    print(json.dumps(rows[-1]), flush=True)
+                for args.round in range(args.repeat):  # the policies alternate, round after round
+                    for policy in ("sticky", "least_loaded", "sticky_least_loaded"):
+                        rows.append(run_one(n, args, policy))
+                        print(json.dumps(rows[-1]), flush=True)
         else:
             for n in args.engines:
                 rows.append(run_one(n, args))
