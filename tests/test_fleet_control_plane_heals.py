@@ -11,6 +11,7 @@ signals; what is tested is the fleet's and the controller's life cycle, not the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -317,8 +318,9 @@ def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_res
             with pytest.raises(RefitFailed) as err:
                 trainer.refit(f"f{i}-{control}", str(ckpt), transport="path", timeout_s=3)
         finally:
-            if pid is not None:
-                os.kill(pid, signal.SIGCONT)
+            if pid is not None:  # (the fleet may have killed the stalled engine already: it replaces one
+                with contextlib.suppress(ProcessLookupError):  # that cannot be restored after a failed refit)
+                    os.kill(pid, signal.SIGCONT)
         report = err.value.report
         failed_in = time.monotonic() - t0
         assert report["failed_step"] == step, (method, when, report)
