@@ -12,14 +12,17 @@ relative or empty ``weight_dir`` is a 400 (also from the real engine); NCCL and 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 import ray
+
+from runtime_fixtures import free_port
+from serve_helpers import wait_healthy
 
 APP = "primerl"
 KEY = "admin-secret"
@@ -37,15 +40,27 @@ def _config(tiny_model_dir, redis_url):
     })
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _serving(app):
+    """The adapter app on a free port (uvicorn in a thread), stopped on the way out; yields its URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "the adapter did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def adapter(service, redis_server, tiny_model_dir):
-    import uvicorn
     from ray import serve
 
     from rollout_service.fleet.fleet import FLEET_NAMESPACE
@@ -56,36 +71,17 @@ def adapter(service, redis_server, tiny_model_dir):
 
     base = f"{service.url}/{APP}"
     serve.run(build_app(_config(tiny_model_dir, redis_server)), name=APP, route_prefix=f"/{APP}")
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=30).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the simulated app did not come up"
-        time.sleep(0.5)
-    trainer = TrainerClient(get_controller(controller_name(APP)), timeout_s=60)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_admin_app(trainer, base, api_key=KEY), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the adapter did not start"
-        time.sleep(0.05)
-    yield url, base
-    server.should_exit = True
-    thread.join(timeout=30)
-    serve.delete(APP)
-    for a in ray.util.list_named_actors(all_namespaces=True):  # the fleet stops with its app; do not wait on it
-        if a["namespace"] == FLEET_NAMESPACE and a["name"].startswith(f"{APP}-"):
-            try:
-                ray.kill(ray.get_actor(a["name"], namespace=FLEET_NAMESPACE), no_restart=True)
-            except ValueError:
-                pass
+    try:
+        wait_healthy(f"{base}/health")
+        trainer = TrainerClient(get_controller(controller_name(APP)), timeout_s=60)
+        with _serving(build_admin_app(trainer, base, api_key=KEY)) as url:
+            yield url, base
+    finally:
+        serve.delete(APP)
+        for a in ray.util.list_named_actors(all_namespaces=True):  # the fleet stops with its app; do not wait
+            if a["namespace"] == FLEET_NAMESPACE and a["name"].startswith(f"{APP}-"):
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(a["name"], namespace=FLEET_NAMESPACE), no_restart=True)
 
 
 def test_prime_rls_admin_calls_refit_the_service_and_its_turns_carry_the_new_version(adapter, tiny_model_dir, tmp_path):
@@ -150,28 +146,14 @@ def test_prime_rls_admin_calls_refit_the_service_and_its_turns_carry_the_new_ver
 def test_a_checkpoint_the_real_engines_cannot_read_is_a_400_and_changes_nothing(service, tmp_path):
     """The real vLLM engine reports a missing directory through vLLM's collective RPC (its own
     message, not the error's type): still a client mistake, 400, the engines on their weights."""
-    import uvicorn
-
     from rollout_service.ops.prime_rl import build_admin_app
     from rollout_service.refit.client import TrainerClient
     from rollout_service.refit.controller import get_controller
 
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_admin_app(TrainerClient(get_controller(), timeout_s=60), service.url),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline, "the adapter did not start"
-            time.sleep(0.05)
-        with httpx.Client(timeout=120) as http:
-            before = http.get(f"{service.url}/v1/status").json()["weight_version"]
-            r = http.post(f"http://127.0.0.1:{port}/update_weights", json={"weight_dir": str(tmp_path / "step_9")})
-            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_weight_dir", r.text
-            assert "checkpoint directory not found" in r.json()["error"]["message"]
-            assert http.get(f"{service.url}/v1/status").json()["weight_version"] == before
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    app = build_admin_app(TrainerClient(get_controller(), timeout_s=60), service.url)
+    with _serving(app) as url, httpx.Client(timeout=120) as http:
+        before = http.get(f"{service.url}/v1/status").json()["weight_version"]
+        r = http.post(f"{url}/update_weights", json={"weight_dir": str(tmp_path / "step_9")})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_weight_dir", r.text
+        assert "checkpoint directory not found" in r.json()["error"]["message"]
+        assert http.get(f"{service.url}/v1/status").json()["weight_version"] == before
