@@ -66,3 +66,18 @@ if [ ! -f "$vf/.installed" ]; then
   rm -f "$vf.log"
   touch "$vf/.installed"
 fi
+
+# UK AISI's inspect-ai, driving the service through its vllm provider, for tests/test_serve_inspect_ai.py
+# (its re-serialization of a reasoning-only answer as content "\n"). inspect-ai's vllm provider needs
+# openai >= 3.4 and ~90 packages of its own (textual, jsonschema, ...): a venv of its own.
+insp=.venv/inspect-ai-0.3
+if [ ! -f "$insp/.installed" ]; then
+  echo "[setup] installing inspect-ai 0.3.285 (its vllm provider, for tests) into $insp"
+  rm -rf "$insp"
+  .venv/bin/python -m venv "$insp"
+  if ! "$insp/bin/pip" install -q "inspect-ai==0.3.285" "openai==3.57.0" > "$insp.log" 2>&1; then
+    grep -v "is ignored" "$insp.log" | tail -20; rm -rf "$insp"; exit 1
+  fi
+  rm -f "$insp.log"
+  touch "$insp/.installed"
+fi
