@@ -9,6 +9,7 @@ probing CPU while idle, a heal of 1 and of 8 engines killed with SIGKILL. CPU pe
 
     python scripts/bench_scale.py --engines 8 32 64 --rollouts 300 --turns 3
     python scripts/bench_scale.py --routing --engines 8    # the routing table, prefix caching on
+    python scripts/bench_scale.py --routing --engines 8 --observation-words 50 --turns 6   # long histories
 
 Runs only against 127.0.0.1, bounded in count and time; everything it starts is stopped, also on
 Ctrl-C. On 2 cores the load generator (this process) shares the CPU with the service: turns/s is
@@ -100,9 +101,13 @@ def lengths(rng: random.Random, cap: int) -> int:
     return min(cap, int(8 * rng.paretovariate(1.5)))
 
 
-async def load(url: str, rollouts: int, turns: int, concurrency: int, cap: int, seed: int, shared_prefix: int):
+async def load(url: str, rollouts: int, turns: int, concurrency: int, cap: int, seed: int, shared_prefix: int,
+               observation_words: int = 0):
     """Multi-turn rollouts; each rollout's first prompt starts with one of a few shared system
-    prompts of ``shared_prefix`` words (GRPO-like groups sharing a prefix)."""
+    prompts of ``shared_prefix`` words (GRPO-like groups sharing a prefix); each turn's observation
+    (the tool output an agent appends) is ``observation {turn}`` plus ``observation_words`` words
+    unique to the rollout and turn (~8 tokens each), so a rollout's history grows by them every turn
+    and only the engine that served its last turn caches it."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
@@ -126,8 +131,9 @@ async def load(url: str, rollouts: int, turns: int, concurrency: int, cap: int, 
                     return
                 msg = r.json()["choices"][0]["message"]
                 moved += int(bool(msg.get("rollout", {}).get("engine_moved")))
+                observation = " ".join([f"observation {turn}"] + [f"r{i}t{turn}w{k}" for k in range(observation_words)])
                 messages += [{"role": "assistant", "content": msg["content"] or ""},
-                             {"role": "user", "content": f"observation {turn}"}]
+                             {"role": "user", "content": observation}]
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
@@ -209,7 +215,9 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
 
     cfg = config(n, args, policy)
     svc = LocalService(cfg, port=args.port, log=lambda *_: None, proxy="haproxy")  # one port: Serve keeps its first
-    row: dict = {"engines": n, "replicas": args.replicas, "policy": policy or "sticky_least_loaded"}
+    row: dict = {"engines": n, "replicas": args.replicas, "policy": policy or "sticky_least_loaded",
+                 "workload": {k: getattr(args, k) for k in ("rollouts", "turns", "concurrency", "cap", "shared_prefix",
+                                                            "observation_words", "load_margin")}}
     cleanup: list = []
     t0 = time.perf_counter()
     svc.start()
@@ -225,7 +233,8 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
         asyncio.run(load(svc.url, 8, 1, 8, 16, seed=99, shared_prefix=args.shared_prefix))
         cpu0 = cpu_by_role()
         wall, lat, failures, moved = asyncio.run(load(svc.url, args.rollouts, args.turns, args.concurrency, args.cap,
-                                                      seed=n, shared_prefix=args.shared_prefix))
+                                                      seed=n, shared_prefix=args.shared_prefix,
+                                                      observation_words=args.observation_words))
         cpu1 = cpu_by_role()
         turns = len(lat)
         row.update(turns=turns, failures=len(failures), turns_per_s=turns / wall, p50_ms=1e3 * statistics.median(lat),
@@ -323,6 +332,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--cap", type=int, default=256, help="max_tokens cap of the heavy-tailed lengths")
     p.add_argument("--shared-prefix", type=int, default=200, help="words of the shared system prompts")
+    p.add_argument("--observation-words", type=int, default=0,
+                   help="words (~8 tokens each) unique to each turn's observation, after 'observation N': long "
+                   "per-rollout histories, where affinity pays")
     p.add_argument("--refits", type=int, default=3)
     p.add_argument("--compare-control", nargs="*", default=[], choices=["channel", "ray"],
                    help="also refit with these refit.control modes, alternating on the same service")

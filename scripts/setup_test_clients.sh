@@ -68,8 +68,8 @@ if [ ! -f "$vf/.installed" ]; then
 fi
 
 # UK AISI's inspect-ai, driving the service through its vllm provider, for tests/test_serve_inspect_ai.py
-# (its re-serialization of a reasoning-only answer as content "\n"). inspect-ai's vllm provider needs
-# openai >= 3.4 and ~90 packages of its own (textual, jsonschema, ...): a venv of its own.
+# (its re-serialization of a reasoning-only answer as content "\n"). inspect-ai brings ~90 packages of
+# its own (textual, jsonschema, ...) the service's venv should not take on: a venv of its own.
 insp=.venv/inspect-ai-0.3
 if [ ! -f "$insp/.installed" ]; then
   echo "[setup] installing inspect-ai 0.3.285 (its vllm provider, for tests) into $insp"

@@ -29,8 +29,6 @@ import re
 import sys
 import uuid
 
-import httpx
-
 from inspect_ai.model import ChatMessageAssistant, ChatMessageUser, GenerateConfig, get_model
 
 FOLLOW_UPS = ["Think about a number.", "And another one?", "One more."]
@@ -55,6 +53,7 @@ async def _conversation(model, wire: list, seed: int, calls: int, extra_body: di
         out = await model.generate(messages, config=config)
         if out.error:
             raise SystemExit(f"call {i}: {out.error}")
+        assert len(wire) == 1, f"call {i}: {len(wire)} requests sent"
         sent = wire.pop()["messages"]  # the body inspect sent for this call
         message: ChatMessageAssistant = out.message
         reasoning = [c.reasoning for c in message.content if c.type == "reasoning"] if isinstance(
@@ -74,9 +73,10 @@ async def _conversation(model, wire: list, seed: int, calls: int, extra_body: di
 
 async def main(base_url: str, model_name: str, seed: int) -> None:
     model = get_model(f"vllm/{model_name}", base_url=f"{base_url}/v1", api_key="unused", lazy_init=False)
+    model.api.client.max_retries = 0  # the OpenAI SDK's own retries too: one request per call
     wire: list[dict] = []
 
-    async def capture(request: httpx.Request) -> None:
+    async def capture(request) -> None:
         if request.url.path.endswith("/chat/completions"):
             wire.append(json.loads(request.content))
 

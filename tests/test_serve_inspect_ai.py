@@ -66,7 +66,9 @@ def test_whitespace_changed_inside_an_answer_is_still_an_edit(service, inspect_r
     first = plain["calls"][0]["content"]
     assert first.strip() and inner["calls"][0]["content"] == first  # same first call (seed), content this time
     assert plain["calls"][1]["sent_assistants"][0]["content"] == first  # inspect re-sends it as it was
-    edited = inner["calls"][1]["sent_assistants"][0]["content"]
+    kept_msg, edited_msg = plain["calls"][1]["sent_assistants"][0], inner["calls"][1]["sent_assistants"][0]
+    assert {**kept_msg, "content": None} == {**edited_msg, "content": None}  # only the content differs
+    edited = edited_msg["content"]
     assert edited != first and edited.strip() != first.strip() and "".join(edited.split()) == "".join(first.split())
 
     kept = _stored(service, plain["id"])
