@@ -274,6 +274,8 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
         row["refit_controller_cpu_ms_by_control"] = {m: 1e3 * statistics.median(v) for m, v in controller_cpu.items()}
         row["refit_stall_ms"] = 1e3 * statistics.median(r["stall_s"] for r in reports[modes[0]])
         row["refit_control_ms"] = 1e3 * statistics.median(r["control_s"] for r in reports[modes[0]])
+        row["refit_phases_ms"] = {k: 1e3 * statistics.median(r[k] for r in reports[modes[0]])
+                                  for k in ("pause_s", "transfer_s", "load_s", "resume_s")}
         row["refit_stall_ms_by_control"] = {m: 1e3 * statistics.median(r["stall_s"] for r in reports[m]) for m in modes}
         if len(modes) > 1:
             print(f"  refit stall at {n} engines, median of {args.refits} (alternated): "
