@@ -216,8 +216,11 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
     cfg = config(n, args, policy)
     svc = LocalService(cfg, port=args.port, log=lambda *_: None, proxy="haproxy")  # one port: Serve keeps its first
     row: dict = {"engines": n, "replicas": args.replicas, "policy": policy or "sticky_least_loaded",
-                 "workload": {k: getattr(args, k) for k in ("rollouts", "turns", "concurrency", "cap", "shared_prefix",
-                                                            "observation_words", "load_margin")}}
+                 "round": getattr(args, "round", 0),
+                 "workload": {k: getattr(args, k) for k in (
+                     "rollouts", "turns", "concurrency", "cap", "shared_prefix", "observation_words", "load_margin",
+                     "max_num_seqs", "decode_step_s", "decode_step_s_per_seq", "prefill_s_per_token",
+                     "kv_capacity_tokens")}}
     cleanup: list = []
     t0 = time.perf_counter()
     svc.start()
@@ -344,7 +347,7 @@ def main(argv=None) -> int:
     p.add_argument("--routing", action="store_true", help="the routing table: each policy on the same workload")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--load-margin", type=int, default=16, help="routing.load_margin (sticky_least_loaded)")
-    p.add_argument("--repeat", type=int, default=1, help="--routing: rounds of the three policies, alternating")
+    p.add_argument("--repeat", type=int, default=1, help="--routing: rounds of the three policies, alternating (the order rotates each round)")
     p.add_argument("--decode-step-s", type=float, default=0.006)
     p.add_argument("--decode-step-s-per-seq", type=float, default=6e-5)
     p.add_argument("--prefill-s-per-token", type=float, default=5e-5)
@@ -371,8 +374,9 @@ def main(argv=None) -> int:
             args.redis_url = cluster.start()
         if args.routing:
             for n in args.engines:
-                for args.round in range(args.repeat):  # the policies alternate, round after round
-                    for policy in ("sticky", "least_loaded", "sticky_least_loaded"):
+                policies = ("sticky", "least_loaded", "sticky_least_loaded")
+                for args.round in range(args.repeat):  # the policies alternate, the order rotating each round
+                    for policy in policies[args.round % 3:] + policies[:args.round % 3]:
                         rows.append(run_one(n, args, policy))
                         print(json.dumps(rows[-1]), flush=True)
         else:
