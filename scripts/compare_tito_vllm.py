@@ -70,12 +70,22 @@ def run_all(base: str, model: str, reqs: list[dict]) -> list[tuple]:
     return [answer(base, model, body) for body in reqs]
 
 
+def tito_server(engine_cfg, model: str, log_path: Path):
+    """vLLM's own OpenAI server with its token-in-token-out route (``--enable-scale-out``), the
+    service's engine settings; ``start()`` / ``stop()``, ``url``."""
+    from bench_service_vs_vllm import VLLMServer
+
+    server = VLLMServer(engine_cfg, model, log_path)
+    server.cmd += ["--enable-scale-out"]
+    return server
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=24)
     args = p.parse_args()
-    from bench_service_vs_vllm import SERVED_NAME, VLLMServer
+    from bench_service_vs_vllm import SERVED_NAME
 
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.ops.launcher import LocalService
@@ -85,13 +95,8 @@ def main() -> int:
     model = str(cfg.engine.resolved_model())
     reqs = requests(args.requests, args.max_tokens)
 
-    class TokensServer(VLLMServer):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.cmd += ["--enable-scale-out"]
-
     log = Path(tempfile.mkdtemp(prefix="tito-vllm-")) / "vllm.log"
-    vllm = TokensServer(cfg.engine, model, log)
+    vllm = tito_server(cfg.engine, model, log)
     try:
         vllm.start()
         theirs = run_all(vllm.url, SERVED_NAME, reqs)

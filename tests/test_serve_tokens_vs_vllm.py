@@ -22,17 +22,12 @@ REQUESTS, MAX_TOKENS = 4, 12
 
 @pytest.fixture(scope="module")
 def vllms_answers(service, tiny_model_dir):
-    from bench_service_vs_vllm import SERVED_NAME, VLLMServer
-    from compare_tito_vllm import requests, run_all
-
-    class TokensServer(VLLMServer):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.cmd += ["--enable-scale-out"]
+    from bench_service_vs_vllm import SERVED_NAME
+    from compare_tito_vllm import requests, run_all, tito_server
 
     reqs = requests(REQUESTS, MAX_TOKENS)
     with tempfile.TemporaryDirectory(prefix="tito-vllm-") as tmp:
-        server = TokensServer(service.config.engine, str(tiny_model_dir), Path(tmp) / "vllm.log")
+        server = tito_server(service.config.engine, str(tiny_model_dir), Path(tmp) / "vllm.log")
         try:
             server.start(timeout=300)
             answers = run_all(server.url, SERVED_NAME, reqs)
