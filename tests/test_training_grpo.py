@@ -1,6 +1,6 @@
 """examples/grpo/train.py end to end on the real service (the tiny model), a few short steps: the
 agents' multi-turn rollouts over HTTP, the trainer actor's recomputed logprobs on the service's ids,
-one clipped-ratio step and a refit per step while the next step's rollouts run. Checked: the ratio
+one clipped-ratio step (with the TIS correction) and a refit per step while the next step's rollouts run. Checked: the ratio
 on tokens of the trainer's own version is 1 up to float32 noise (the service's processed logprobs
 under the same top-k), in every step; later steps train on tokens of the previous version (the
 overlap); the version advances with each refit; metrics.csv has the columns an acceptance run
@@ -19,7 +19,8 @@ import torch
 from serve_helpers import load_example
 
 REQUIRED = ["step", "reward_mean", "ratio_dev_e4_current", "ratio_dev_e4_stale", "kl_k3", "clip_rate", "entropy",
-            "lag_mean", "lag_max", "refit_stall_s", "weight_version"]
+            "lag_mean", "lag_max", "refit_stall_s", "weight_version", "correction", "tis_clipped", "mis_masked",
+            "icepop_masked"]
 
 
 def _example():
@@ -38,7 +39,7 @@ def test_grpo_steps_through_the_service_are_on_policy_and_refit_each_step(servic
     trainer = TrainerClient(controller, timeout_s=120)
     before = trainer.stats()["weight_version"]
     args = argparse.Namespace(steps=3, prompts=2, group_size=3, max_tokens=6, top_k=64, temperature=1.0, sync=False,
-                              lr=3e-3, clip_eps=0.2,
+                              lr=3e-3, clip_eps=0.2, correction="tis",
                               seed=0, frequent_ids=20_000, model=MODEL, out=str(tmp_path / "run"))
     try:
         rows = asyncio.run(grpo.train(args, service.url, controller, str(tiny_model_dir)))
@@ -57,6 +58,7 @@ def test_grpo_steps_through_the_service_are_on_policy_and_refit_each_step(servic
         assert r["tokens_current"] + r["tokens_stale"] == r["tokens"]
         if r["tokens_current"]:  # after a refit too: the service serves exactly the trainer's weights
             assert r["ratio_dev_e4_current"] < 0.1, r
+        assert r["correction"] == "tis" and all(0.0 <= r[k] <= 1.0 for k in ("tis_clipped", "mis_masked", "icepop_masked"))
         assert r["lag_max"] <= 1  # the next step's rollouts start before the refit: at most one version behind
     # Asynchronous: later steps trained on rollouts sampled (at least partly) by the previous version.
     assert any(r["tokens_stale"] for r in rows[1:])

@@ -52,13 +52,14 @@ apply_local_env()
 import httpx  # noqa: E402
 import ray  # noqa: E402
 
-from rollout_service.training import group_advantages, rows_from_trajectory, step_diagnostics  # noqa: E402
+from rollout_service.training import (  # noqa: E402
+    correction_shares, correction_weights, group_advantages, rows_from_trajectory, step_diagnostics)
 
 # weight_version: the version the step's refit published; trainer_version: the one the step's
 # diagnostics compare against (the trainer's weights before the step).
 COLUMNS = ["step", "reward_mean", "ratio_dev_e4_current", "ratio_dev_e4_stale", "kl_k3", "clip_rate", "entropy",
            "lag_mean", "lag_max", "refit_stall_s", "weight_version", "trainer_version", "tokens", "tokens_current",
-           "tokens_stale", "loss", "wall_s"]
+           "tokens_stale", "loss", "wall_s", "correction", "tis_clipped", "mis_masked", "icepop_masked"]
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
 
@@ -68,7 +69,7 @@ class GRPOTrainer:
     clipped-ratio step per batch and refits the service with the new weights."""
 
     def __init__(self, model_path: str, controller, lr: float, clip_eps: float, seed: int, top_k: int,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, correction: str | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -83,6 +84,7 @@ class GRPOTrainer:
         self.clip_eps = clip_eps
         self.top_k = top_k
         self.temperature = temperature
+        self.correction = correction  # None: the ratio against the behaviour logprobs; tis | mis | icepop: decoupled
         self.client = TrainerClient(controller, timeout_s=120)
         self.model_path = model_path
         self.tokenizer = None  # --baseline naive: the trainer re-renders and re-tokenizes the conversations
@@ -143,12 +145,21 @@ class GRPOTrainer:
             before_full.append(full.tolist())
             entropies.append(ent.tolist())
         total = sum(r.num_trained for r in rows) or 1
+        # With a correction the ratio is taken against the trainer's own logprobs before the step (the
+        # proximal policy) and the mismatch to the behaviour logprobs goes into a per-token weight
+        # (truncated, or masked: rollout_service.training.corrections); without one, against the
+        # behaviour logprobs as they are.
+        weights = correction_weights(rows, before, self.correction).weights if self.correction else None
         self.opt.zero_grad()
         loss_sum = 0.0
-        for row, adv in zip(rows, row_adv):
+        for k, (row, adv) in enumerate(zip(rows, row_adv)):
             lp, _, _ = self._logprobs(row.input_ids, grad=True)
             mask = torch.tensor(row.loss_mask, dtype=torch.float32)
-            ratio = torch.exp(lp - torch.tensor(row.behaviour_logprobs, dtype=torch.float32))
+            if weights is None:
+                ratio = torch.exp(lp - torch.tensor(row.behaviour_logprobs, dtype=torch.float32))
+            else:
+                ratio = torch.exp(lp - torch.tensor(before[k], dtype=torch.float32))
+                mask = mask * torch.tensor(weights[k], dtype=torch.float32)
             clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps)
             loss = -(torch.minimum(ratio * adv, clipped * adv) * mask).sum() / total
             loss.backward()
@@ -163,7 +174,8 @@ class GRPOTrainer:
         report = self.client.refit(version, {k: v.detach() for k, v in self.model.state_dict().items()},
                                    transport="object_store")
         self.versions.append(version)
-        return {**diag.to_dict(), "kl_k3": kl, "loss": loss_sum, "trainer_version": trained_on, "refit_stall_s": report["stall_s"], "weight_version": version}
+        return {**diag.to_dict(), **correction_shares(rows, before), "correction": self.correction or "none",
+                "kl_k3": kl, "loss": loss_sum, "trainer_version": trained_on, "refit_stall_s": report["stall_s"], "weight_version": version}
 
 
 def reward_of(trajectory: dict, frequent_ids: int) -> float:
@@ -283,7 +295,7 @@ async def train(args, base_url: str, controller, model_path: str) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = GRPOTrainer.remote(model_path, controller, args.lr, args.clip_eps, args.seed, args.top_k,
-                                 args.temperature)
+                                 args.temperature, args.correction)
     await trainer.version.remote()
     rows: list[dict] = []
     with open(out / "metrics.csv", "w", newline="") as f:
@@ -340,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
                    "cut to its logits); 0: the whole vocabulary")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
+    p.add_argument("--correction", choices=("tis", "mis", "icepop"),
+                   help="a train/inference mismatch correction (rollout_service.training.corrections): the ratio "
+                        "against the trainer's own logprobs before the step, times a per-token weight truncated (tis) "
+                        "or masked (mis, icepop); metrics.csv records the share of tokens each would clip or mask")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.temperature is None:
