@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rollout_service.onpolicy.types import RolloutState
-from rollout_service.store.base import UNCHANGED, TurnConflict, Unchanged, validate_rollout_id
+from rollout_service.store.base import (
+    ROLLOUT_STATUSES, UNCHANGED, RolloutAborted, TurnConflict, Unchanged, validate_rollout_id)
 from rollout_service.store.codec import EncodedSegment, check_segment_index, decode_state, encode_delta
 
 
@@ -23,6 +24,8 @@ class _Entry:
     segments: list[EncodedSegment] = field(default_factory=list)
     expires_at: float = 0.0
     incarnation: str = field(default_factory=lambda: secrets.token_hex(8))
+    status: str | None = None
+    reason: str | None = None
 
 
 class MemoryRolloutStore:
@@ -46,18 +49,38 @@ class MemoryRolloutStore:
         entry = self._live(rollout_id)
         if entry is None:
             return None
-        return decode_state(rollout_id, entry.turn, entry.segments, incarnation=entry.incarnation)
+        return self._state(rollout_id, entry)
+
+    @staticmethod
+    def _state(rollout_id: str, entry: _Entry) -> RolloutState:
+        state = decode_state(rollout_id, entry.turn, entry.segments, incarnation=entry.incarnation)
+        state.status, state.status_reason = entry.status, entry.reason
+        return state
 
     async def load_if_changed(
-        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None
+        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None,
+        known_status: str | None = None,
     ) -> RolloutState | None | Unchanged:
         validate_rollout_id(rollout_id)
         entry = self._live(rollout_id)
         if entry is None:
             return None
-        if entry.turn == known_turn and known_incarnation in (None, entry.incarnation):
+        if (entry.turn == known_turn and known_incarnation in (None, entry.incarnation)
+                and entry.status == known_status):
             return UNCHANGED
-        return decode_state(rollout_id, entry.turn, entry.segments, incarnation=entry.incarnation)
+        return self._state(rollout_id, entry)
+
+    async def mark(self, rollout_id: str, status: str, reason: str = "") -> bool | None:
+        validate_rollout_id(rollout_id)
+        if status not in ROLLOUT_STATUSES:
+            raise ValueError(f"status must be one of {ROLLOUT_STATUSES}, got {status!r}")
+        entry = self._live(rollout_id)
+        if entry is None:
+            return None
+        if entry.status == "aborted":
+            return False
+        entry.status, entry.reason = status, reason or None
+        return True
 
     async def append_turn(self, rollout_id: str, delta, *, expected_turn: int) -> None:
         validate_rollout_id(rollout_id)
@@ -66,6 +89,8 @@ class MemoryRolloutStore:
         stored_turn = entry.turn if entry else 0
         if stored_turn != expected_turn:
             raise TurnConflict(rollout_id, expected_turn, stored_turn)
+        if entry is not None and entry.status == "aborted" and delta.record.finish_reason != "abort":
+            raise RolloutAborted(rollout_id)
         check_segment_index(enc, len(entry.segments) if entry else 0)
         if entry is None:
             entry = self._data[rollout_id] = _Entry()

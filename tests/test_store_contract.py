@@ -304,3 +304,49 @@ async def test_replay_fields_of_a_turn_record_round_trip(store):
     await store.append_turn("r", d, expected_turn=0)
     rec = (await store.load("r")).segments[0].turns[0]
     assert (rec.request_digest, rec.idempotency_key, rec.answer) == ("sha256:ab", "key-1", answer)
+
+
+async def test_an_aborted_rollout_takes_only_the_call_the_abort_ended(store):
+    from rollout_service.store.base import UNCHANGED, RolloutAborted
+
+    assert await store.mark("nope", "aborted", "x") is None  # unknown: nothing created
+    assert await store.load("nope") is None
+    deltas, expected = synthetic_rollout(random.Random(21), [2])
+    await commit_all(store, "r", deltas)
+    before = copy.deepcopy(await store.load("r"))
+    assert before.status is None
+    assert await store.mark("r", "aborted", "dropped by dynamic sampling") is True
+    after = await store.load("r")
+    assert after == named(expected, "r")  # the history is untouched and readable
+    assert (after.status, after.status_reason) == ("aborted", "dropped by dynamic sampling")
+    # A copy loaded before the abort is not current any more, though the turn did not move.
+    assert await store.load_if_changed("r", 2, known_incarnation=before.incarnation) is not UNCHANGED
+    assert await store.load_if_changed("r", 2, known_status="aborted") is UNCHANGED
+    seg_len = len(after.segments[0].token_ids)
+    later = synthetic_delta(random.Random(2), turn=3, segment_index=0, new_segment=False, segment_len=seg_len)
+    with pytest.raises(RolloutAborted) as err:
+        await store.append_turn("r", later, expected_turn=2)
+    assert (err.value.status, err.value.code) == (409, "rollout_aborted")
+    assert (await store.load("r")).turn == 2
+    # The call that was generating when the abort came ends with finish_reason abort: it lands.
+    later.record.finish_reason = "abort"
+    await store.append_turn("r", later, expected_turn=2)
+    assert (await store.load("r")).turn == 3
+    # Idempotent, the first reason stands; a later "stale" does not undo it.
+    assert await store.mark("r", "aborted", "again") is False
+    assert await store.mark("r", "stale", "3 versions behind") is False
+    assert (await store.load("r")).status_reason == "dropped by dynamic sampling"
+    with pytest.raises(ValueError):
+        await store.mark("r", "finished")
+
+
+async def test_a_stale_mark_is_a_status_not_a_lock(store):
+    deltas, _ = synthetic_rollout(random.Random(22), [1])
+    await commit_all(store, "r", deltas)
+    assert await store.mark("r", "stale", "rollout_stale: 3 > 1") is True
+    state = await store.load("r")
+    assert (state.status, state.status_reason) == ("stale", "rollout_stale: 3 > 1")
+    more = synthetic_delta(random.Random(3), turn=2, segment_index=0, new_segment=False,
+                           segment_len=len(state.segments[0].token_ids))
+    await store.append_turn("r", more, expected_turn=1)  # a turn under a looser bound may still run
+    assert await store.mark("r", "aborted", "done") is True

@@ -113,6 +113,12 @@ class RolloutState:
     # cache validates by (turn, incarnation): the turn counter alone cannot tell a recreated rollout
     # that has reached the same turn from the one it holds. Not part of equality.
     incarnation: str | None = field(default=None, compare=False, repr=False)
+    # Set by the store on load: how the rollout ended, if it did not just stop being called:
+    # "aborted" (by the trainer: no further turn is admitted) or "stale" (a turn was refused for
+    # being more versions behind than the staleness bound allows), with the reason given. Changed
+    # only by the store's ``mark``, never by a turn. Not part of equality.
+    status: str | None = field(default=None, compare=False)
+    status_reason: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def current(self) -> Segment | None:

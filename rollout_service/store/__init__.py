@@ -4,6 +4,7 @@ in-memory double for unit tests is ``tests/memory_store.py``)."""
 from rollout_service.store.base import (
     InvalidRolloutId,
     InvalidTurnDelta,
+    RolloutAborted,
     RolloutStore,
     StoreError,
     StoreUnavailable,
@@ -20,6 +21,7 @@ __all__ = [
     "InvalidRolloutId",
     "InvalidTurnDelta",
     "RedisRolloutStore",
+    "RolloutAborted",
     "RolloutStore",
     "StoreError",
     "StoreUnavailable",

@@ -7,8 +7,8 @@ implementation can make each of those one atomic server-side step, and the in-me
 it exactly for unit tests of other modules.
 
 Exceptions carry no Redis types, so the HTTP layer maps them without importing the store backend:
-``InvalidRolloutId`` / ``InvalidTurnDelta`` -> 400, ``TurnConflict`` -> 409, ``StoreUnavailable`` -> 503,
-``StoreFull`` -> 507.
+``InvalidRolloutId`` / ``InvalidTurnDelta`` -> 400, ``TurnConflict`` / ``RolloutAborted`` -> 409,
+``StoreUnavailable`` -> 503, ``StoreFull`` -> 507.
 """
 
 from __future__ import annotations
@@ -86,6 +86,26 @@ class TurnConflict(StoreError):
         )
 
 
+ROLLOUT_STATUSES = ("aborted", "stale")
+
+
+class RolloutAborted(StoreError):
+    """The rollout was aborted (``mark(..., "aborted")``): it takes no further turn (409); what it
+    stored stays readable."""
+
+    status = 409
+    error_type = "conflict_error"
+    code = "rollout_aborted"
+    what = ""
+
+    def __init__(self, rollout_id: str, reason: str | None = None):
+        self.rollout_id = rollout_id
+        self.reason = reason
+        why = f" ({reason})" if reason else ""
+        super().__init__(f"rollout {rollout_id!r} was aborted{why}: it takes no further turn; its stored turns stay "
+                         "readable")
+
+
 class StoreUnavailable(StoreError):
     """The backend cannot be reached (the HTTP layer answers 503; the request may be retried)."""
 
@@ -148,10 +168,11 @@ class RolloutStore(Protocol):
         ...
 
     async def load_if_changed(
-        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None
+        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None,
+        known_status: str | None = None,
     ) -> RolloutState | None | Unchanged:
         """``UNCHANGED`` if the stored turn counter is ``known_turn`` (and, when given, the rollout's
-        incarnation is ``known_incarnation``), else the whole snapshot as ``load`` returns it, or
+        incarnation is ``known_incarnation``) and its status is ``known_status``, else the whole snapshot as ``load`` returns it, or
         None if unknown. One atomic step: the check and the snapshot see the same turn, and an
         unchanged rollout costs O(1), not O(history). A cache of loaded states (see
         ``store.cache``) revalidates with it; the incarnation guards against a rollout deleted
@@ -164,8 +185,15 @@ class RolloutStore(Protocol):
 
         Atomic: either the whole delta is stored, the counter becomes ``delta.turn`` and the expiry of
         every key of the rollout is refreshed, or nothing changes and ``TurnConflict`` is raised.
-        ``expected_turn=0`` creates the rollout.
+        ``expected_turn=0`` creates the rollout. An aborted rollout refuses it (``RolloutAborted``)
+        unless it is the call the abort ended (its record's ``finish_reason`` is ``abort``).
         """
+        ...
+
+    async def mark(self, rollout_id: str, status: str, reason: str = "") -> bool | None:
+        """Set the rollout's status (one of ``ROLLOUT_STATUSES``) and its reason: True if set,
+        False if it is already aborted (an abort stands: idempotent, first reason kept), None if the
+        rollout is unknown. Nothing else of the rollout changes."""
         ...
 
     async def delete(self, rollout_id: str) -> bool:

@@ -96,7 +96,8 @@ class CachedRolloutStore:
             return state
         result = await self._dropping_on_error(
             rollout_id,
-            self.inner.load_if_changed(rollout_id, cached.turn, known_incarnation=cached.incarnation),
+            self.inner.load_if_changed(rollout_id, cached.turn, known_incarnation=cached.incarnation,
+                                       known_status=cached.status),
         )
         if result is UNCHANGED:
             # The store confirmed ``cached``'s (turn, incarnation). If an append through this cache
@@ -111,12 +112,13 @@ class CachedRolloutStore:
         return result
 
     async def load_if_changed(
-        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None
+        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None,
+        known_status: str | None = None,
     ) -> RolloutState | None | Unchanged:
         state = await self.load(rollout_id)
         if state is None:
             return None
-        if state.turn == known_turn and known_incarnation in (None, state.incarnation):
+        if state.turn == known_turn and known_incarnation in (None, state.incarnation) and state.status == known_status:
             return UNCHANGED
         return state
 
@@ -152,6 +154,14 @@ class CachedRolloutStore:
         validate_rollout_id(rollout_id)
         self._invalidate(rollout_id)
         return await self.inner.delete(rollout_id)
+
+    async def mark(self, rollout_id: str, status: str, reason: str = "") -> bool | None:
+        validate_rollout_id(rollout_id)
+        self._invalidate(rollout_id)
+        try:
+            return await self.inner.mark(rollout_id, status, reason)
+        finally:
+            self._invalidate(rollout_id)  # a load racing the mark may have cached the status before it
 
     async def exists(self, rollout_id: str) -> bool:
         found = await self.inner.exists(rollout_id)

@@ -8,7 +8,9 @@ lives in one cluster slot and each Lua script touches a single slot)::
                                aid (id of the last append: a resent append that landed is a success),
                                ver (weight version of the last generated token), c (constrained
                                calls), mig (mid-turn migrations), at (last append, Unix ms): the
-                               summary the recent index shows (store/recent.py)
+                               summary the recent index shows (store/recent.py);
+                               st, why: the rollout's status (aborted, stale) and its reason
+                               (``mark``; an aborted rollout takes no further turn)
     P:{R}:s<i>:ids      string token ids of segment i, packed little-endian int32, APPENDed per turn
     P:{R}:s<i>:lp       string logprobs, little-endian float32, APPENDed per turn
     P:{R}:s<i>:mask     string loss mask, uint8, APPENDed per turn
@@ -41,7 +43,9 @@ from redis import exceptions as rexc
 from rollout_service.config import StoreConfig
 from rollout_service.onpolicy.types import RolloutState, TurnDelta
 from rollout_service.store.base import (
+    ROLLOUT_STATUSES,
     UNCHANGED,
+    RolloutAborted,
     InvalidTurnDelta,
     StoreError,
     StoreFull,
@@ -77,13 +81,14 @@ end
 
 # ARGV: expected_turn, new_turn, segment_index, new_segment (0/1), ttl_ms, ids, lp, mask, record, ctx,
 #       incarnation (stored only when this append creates the rollout), append id, last weight version
-#       ('' = keep), constrained (0/1), migrations, now (Unix ms), msgs...
-# Returns {1, nseg} on success, {0, stored_turn} on a turn conflict, {-1, nseg} on a bad segment index.
+#       ('' = keep), constrained (0/1), migrations, now (Unix ms), the call was aborted (0/1), msgs...
+# Returns {1, nseg} on success, {0, stored_turn} on a turn conflict, {-1, nseg} on a bad segment index,
+# {-2, stored_turn} on an aborted rollout (only the call the abort ended, finish_reason abort, lands).
 # Every check happens before the first write, so a refused append leaves no trace. The append id
 # makes a retried append (the client resends a command whose answer it lost: store.retries) that
 # had landed a success, not a conflict.
 _LUA_APPEND = _LUA_KEYS + """
-local m = redis.call('HMGET', meta, 'turn', 'nseg', 'aid')
+local m = redis.call('HMGET', meta, 'turn', 'nseg', 'aid', 'st')
 local stored = tonumber(m[1] or '0')
 if m[3] == ARGV[12] and stored == tonumber(ARGV[2]) then
   -- a resend of an append that landed: refresh the expiry (a write on this connection, so a WAIT
@@ -92,6 +97,7 @@ if m[3] == ARGV[12] and stored == tonumber(ARGV[2]) then
   return {1, tonumber(m[2] or '0')}
 end
 if stored ~= tonumber(ARGV[1]) then return {0, stored} end
+if m[4] == 'aborted' and ARGV[17] ~= '1' then return {-2, stored} end
 local nseg = tonumber(m[2] or '0')
 local seg = tonumber(ARGV[3])
 local new_segment = ARGV[4] == '1'
@@ -105,7 +111,7 @@ redis.call('APPEND', p .. 'mask', ARGV[8])
 redis.call('RPUSH', p .. 'turns', ARGV[9])
 redis.call('SET', p .. 'ctx', ARGV[10])
 if stored == 0 then redis.call('HSET', meta, 'born', ARGV[11]) end
-local i = 17
+local i = 18
 while i <= #ARGV do
   local j = math.min(i + %d - 1, #ARGV)
   redis.call('RPUSH', p .. 'msgs', unpack(ARGV, i, j))
@@ -120,12 +126,12 @@ expire_all(nseg, tonumber(ARGV[5]))
 return {1, nseg}
 """ % (_MSGS_PER_RPUSH, LAYOUT_VERSION)
 
-# snapshot(m) for m = HMGET(meta, turn, nseg, born):
-# {turn, nseg, born, then per segment: ids, lp, mask, ctx, turns[], msgs[]}.
+# snapshot(m) for m = HMGET(meta, turn, nseg, born, st, why):
+# {turn, nseg, born, st, why, then per segment: ids, lp, mask, ctx, turns[], msgs[]}.
 _LUA_SNAPSHOT = """
 local function snapshot(m)
   local nseg = tonumber(m[2] or '0')
-  local out = {m[1], m[2] or '0', m[3] or ''}
+  local out = {m[1], m[2] or '0', m[3] or '', m[4] or '', m[5] or ''}
   for i = 0, nseg - 1 do
     local p = seg_prefix(i)
     out[#out + 1] = redis.call('GET', p .. 'ids') or ''
@@ -141,18 +147,31 @@ end
 
 # Returns false for an unknown rollout, else the snapshot.
 _LUA_LOAD = _LUA_KEYS + _LUA_SNAPSHOT + """
-local m = redis.call('HMGET', meta, 'turn', 'nseg', 'born')
+local m = redis.call('HMGET', meta, 'turn', 'nseg', 'born', 'st', 'why')
 if not m[1] then return false end
 return snapshot(m)
 """
 
-# ARGV: known_turn, known incarnation ('' = not checked). Returns false for an unknown rollout, {turn}
-# when the caller's copy is current (O(1): no history leaves the server), else the snapshot.
+# ARGV: known_turn, known incarnation ('' = not checked), known status ('' = none). Returns false for an
+# unknown rollout, {turn} when the caller's copy is current (O(1): no history leaves the server), else
+# the snapshot.
 _LUA_LOAD_IF_CHANGED = _LUA_KEYS + _LUA_SNAPSHOT + """
-local m = redis.call('HMGET', meta, 'turn', 'nseg', 'born')
+local m = redis.call('HMGET', meta, 'turn', 'nseg', 'born', 'st', 'why')
 if not m[1] then return false end
-if tonumber(m[1]) == tonumber(ARGV[1]) and (ARGV[2] == '' or (m[3] or '') == ARGV[2]) then return {m[1]} end
+if tonumber(m[1]) == tonumber(ARGV[1]) and (ARGV[2] == '' or (m[3] or '') == ARGV[2])
+   and (m[4] or '') == ARGV[3] then return {m[1]} end
 return snapshot(m)
+"""
+
+# ARGV: status (aborted | stale), reason. Returns 0 for an unknown rollout, 2 when it is already
+# aborted (kept as it was: the first abort's reason stands; an abort is never undone), else 1.
+_LUA_MARK = """
+local meta = KEYS[1]
+local m = redis.call('HMGET', meta, 'turn', 'st')
+if not m[1] then return 0 end
+if m[2] == 'aborted' then return 2 end
+redis.call('HSET', meta, 'st', ARGV[1], 'why', ARGV[2])
+return 1
 """
 
 # Returns the number of keys removed (0: unknown rollout).
@@ -179,11 +198,14 @@ def _decode_snapshot(rollout_id: str, reply: Any) -> RolloutState | None:
     if not reply:
         return None
     turn, nseg, incarnation = int(reply[0]), int(reply[1]), reply[2].decode()
+    status, reason = reply[3].decode() or None, reply[4].decode() or None
     segments = []
     for i in range(nseg):
-        ids, lp, mask, ctx, turns, msgs = reply[3 + 6 * i : 9 + 6 * i]
+        ids, lp, mask, ctx, turns, msgs = reply[5 + 6 * i : 11 + 6 * i]
         segments.append(EncodedSegment(ids=ids, logprobs=lp, mask=mask, render_context=ctx, turns=turns, messages=msgs))
-    return decode_state(rollout_id, turn, segments, incarnation=incarnation)
+    state = decode_state(rollout_id, turn, segments, incarnation=incarnation)
+    state.status, state.status_reason = status, reason
+    return state
 
 
 # RedisClusterException (SlotNotCoveredError, a cluster the client cannot map) is not a RedisError.
@@ -242,6 +264,7 @@ class RedisRolloutStore:
         self._load_if_changed = client.register_script(_LUA_LOAD_IF_CHANGED)
         self._delete = client.register_script(_LUA_DELETE)
         self._touch = client.register_script(_LUA_TOUCH)
+        self._mark = client.register_script(_LUA_MARK)
         self.recent = RecentIndex(client, key_prefix, recent_size, self.meta_key)
 
     @classmethod
@@ -326,11 +349,12 @@ class RedisRolloutStore:
         return _decode_snapshot(rollout_id, reply)
 
     async def load_if_changed(
-        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None
+        self, rollout_id: str, known_turn: int, *, known_incarnation: str | None = None, known_status: str | None = None
     ) -> RolloutState | None | Unchanged:
         meta = self.meta_key(rollout_id)
         async with self._translate():
-            reply = await self._load_if_changed(keys=[meta], args=[int(known_turn), known_incarnation or ""])
+            reply = await self._load_if_changed(keys=[meta], args=[int(known_turn), known_incarnation or "",
+                                                                    known_status or ""])
         if reply and len(reply) == 1:
             return UNCHANGED
         return _decode_snapshot(rollout_id, reply)
@@ -353,6 +377,7 @@ class RedisRolloutStore:
             secrets.token_hex(8) if expected_turn == 0 else "",
             secrets.token_hex(8),  # this append's id
             *summary_args(delta, now_ms),
+            int(delta.record.finish_reason == "abort"),
             *enc.messages,
         ]
         async with self._translate():
@@ -364,6 +389,8 @@ class RedisRolloutStore:
                 status, value = await self._append(keys=[meta], args=args)
         if status == 0:
             raise TurnConflict(rollout_id, expected_turn, int(value))
+        if status == -2:
+            raise RolloutAborted(rollout_id)
         if status == -1:
             want = "a new segment" if enc.new_segment else "the last segment"
             raise InvalidTurnDelta(
@@ -399,6 +426,14 @@ class RedisRolloutStore:
         async with self._translate():
             _, acked = await self._with_wait(self._touch, self.meta_key(rollout_id), [self._ttl_ms])
         self._check_replicated(acked)
+
+    async def mark(self, rollout_id: str, status: str, reason: str = "") -> bool | None:
+        meta = self.meta_key(rollout_id)
+        if status not in ROLLOUT_STATUSES:
+            raise ValueError(f"status must be one of {ROLLOUT_STATUSES}, got {status!r}")
+        async with self._translate():
+            result = int(await self._mark(keys=[meta], args=[status, reason]))
+        return None if result == 0 else result == 1
 
     async def delete(self, rollout_id: str) -> bool:
         meta = self.meta_key(rollout_id)
