@@ -293,6 +293,18 @@ class StoreConfig(_Strict):
         return self
 
 
+class RolloutsConfig(_Strict):
+    """What a trainer bounds about the rollouts it pays for (the per-call headers override it)."""
+
+    max_staleness: int | None = Field(
+        None, ge=0,
+        description="Staleness bound in versions (None: no bound): a call of a rollout is admitted only while the "
+        "rollout's oldest generated token is at most this many refits behind the version served now (AReaL's "
+        "max_head_offpolicyness, prime-rl's max_async_level); beyond it the call gets 409 rollout_stale, nothing is "
+        "generated or stored, and the rollout's status says stale. A call already running at a refit finishes. "
+        "Per call: the X-Max-Staleness header.")
+
+
 class ServiceConfig(_Strict):
     instance_name: str = Field(
         "rollout-service", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
@@ -518,6 +530,7 @@ class RolloutServiceConfig(_Strict):
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     canary: CanaryConfig = Field(default_factory=CanaryConfig)
+    rollouts: RolloutsConfig = Field(default_factory=RolloutsConfig)
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "RolloutServiceConfig":

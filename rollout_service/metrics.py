@@ -62,7 +62,8 @@ FORK_REASONS = ("role", "content", "reasoning_content", "tool_calls", "tool_call
 ENGINE_STATES = ("starting", "healthy", "suspect", "dead", "replacing", "stale", "retired", "draining")  # fleet.health.EngineState
 REFIT_OUTCOMES = ("ok", "failed", "rejected")
 REFIT_PHASES = ("pause", "transfer", "load", "resume")
-STORE_OPS = ("load", "append", "read", "delete")
+STORE_OPS = ("load", "append", "read", "delete", "mark")
+REFUSAL_REASONS = ("aborted", "stale")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,11 @@ METRICS: tuple[MetricDef, ...] = (
     _m("active_rollouts", "gauge", "Rollouts with a call in the last 300 s (ACTIVE_WINDOW_S), per replica process: "
        "live rollouts, also those between calls (waiting on a tool or an environment step). Sum over replicas "
        "(a rollout is routed to one; after a replica change it may count on two for one window).", ()),
+    _m("rollout_version_lag", "histogram", "Per call of a stored rollout, at its admission: refits between the "
+       "version of the rollout's oldest generated token and the version served now (the staleness bound's measure; "
+       "a version older than the fleet remembers counts as the number it remembers).", (), LAG_BUCKETS),
+    _m("turns_refused_total", "counter", "Calls of a rollout refused at admission, nothing generated or stored, by "
+       "reason: aborted (409 rollout_aborted), stale (409 rollout_stale: past the staleness bound).", ("reason",)),
     _m("store_latency_seconds", "histogram", "Rollout store operations as the data plane sees them (the replica's "
        "state cache included): load, append, read (GET rollout), delete, replicate (a replayed answer waiting for the replicas under store.durability replicated).", ("op",), STORE_BUCKETS),
     _m("store_errors_total", "counter", "Failed rollout store operations by op and error type (StoreUnavailable, "
@@ -392,6 +398,12 @@ class ServiceMetrics:
 
     def engine_call_deadline(self) -> None:
         self.series("rollout_service_engine_call_deadlines_total").record(1)
+
+    def rollout_lag(self, lag: int) -> None:
+        self.series("rollout_service_rollout_version_lag").record(lag)
+
+    def turn_refused(self, reason: str) -> None:
+        self.series("rollout_service_turns_refused_total", reason).record(1)
 
     def pin_moved(self) -> None:
         self.series("rollout_service_engine_pin_moves_total").record(1)

@@ -64,6 +64,8 @@ def _encode_request(request) -> dict[str, Any]:
            "max_tokens": request.max_tokens, "request_id": request.request_id}
     if request.batch_window_s is not None:
         out["batch_window_s"] = request.batch_window_s
+    if request.rollout_id is not None:
+        out["rollout_id"] = request.rollout_id
     return out
 
 
@@ -75,7 +77,8 @@ def _decode_request(raw: Any):
                            sampling=SamplingOptions.model_validate(raw["sampling"]),
                            max_tokens=msgspec.convert(raw["max_tokens"], int),
                            request_id=msgspec.convert(raw["request_id"], str),
-                           batch_window_s=msgspec.convert(raw.get("batch_window_s"), float | None))
+                           batch_window_s=msgspec.convert(raw.get("batch_window_s"), float | None),
+                           rollout_id=msgspec.convert(raw.get("rollout_id"), str | None))
 
 
 def _remote_error(type_name: str, message: str, client_error: bool, parameter: str | None) -> EngineCallError:

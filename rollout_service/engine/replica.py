@@ -41,6 +41,7 @@ class EngineReplica(RefitSteps, Scoring):
         self._version = initial_weight_version
         self._in_flight: dict[str, int] = {}
         self._in_flight_started_on: dict[str, str] = {}  # request id -> weight version at its start
+        self._in_flight_rollout: dict[str, str] = {}  # request id -> its rollout (abort_rollout)
         self._num_aborted = 0  # generations that ended with finish_reason "abort"
         self._paused = False  # as last set by pause / resume (health must not ask the busy engine core)
         self._startup_s: float | None = None
@@ -210,6 +211,8 @@ class EngineReplica(RefitSteps, Scoring):
             prompt["cache_salt"] = salt
         self._in_flight[request.request_id] = len(request.prompt_ids)
         self._in_flight_started_on[request.request_id] = self._version
+        if request.rollout_id is not None:
+            self._in_flight_rollout[request.request_id] = request.rollout_id
         want_top = request.sampling.top_logprobs
         finished = False
         passed = 0  # ids handed over so far
@@ -242,6 +245,7 @@ class EngineReplica(RefitSteps, Scoring):
         finally:
             self._in_flight.pop(request.request_id, None)
             self._in_flight_started_on.pop(request.request_id, None)
+            self._in_flight_rollout.pop(request.request_id, None)
             if not finished:
                 await llm.abort(request.request_id)
 
@@ -252,6 +256,15 @@ class EngineReplica(RefitSteps, Scoring):
 
     async def abort(self, request_id: str) -> None:
         await self._engine().abort(request_id)
+
+    async def abort_rollout(self, rollout_id: str) -> int:
+        """Abort every request of ``rollout_id`` running here (the trainer aborted the rollout): vLLM
+        ends each at its next step with ``finish_reason`` abort, which its call receives as its last
+        chunk. Returns how many were aborted."""
+        ids = [rid for rid, owner in self._in_flight_rollout.items() if owner == rollout_id]
+        for rid in ids:
+            await self._engine().abort(rid)
+        return len(ids)
 
     # -------------------------------------------------------------- control plane
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> float:

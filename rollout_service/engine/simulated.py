@@ -485,6 +485,13 @@ class SimulatedEngine(RefitSteps):
         if seq is not None:
             self._finish(seq, "abort")
 
+    async def abort_rollout(self, rollout_id: str) -> int:
+        """As ``EngineReplica.abort_rollout``: every running request of ``rollout_id`` ends with abort."""
+        seqs = [s for s in self._by_id.values() if s.request.rollout_id == rollout_id]
+        for seq in seqs:
+            self._finish(seq, "abort")
+        return len(seqs)
+
     # -------------------------------------------------------------- fault injection
     FAULTABLE = ("pause", "resume", "set_weight_version", "rs_stage_path", "rs_load_staged", "rs_commit",
                  "rs_rollback", "rs_discard_staged")

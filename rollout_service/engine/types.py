@@ -22,6 +22,9 @@ class GenerateRequest:
     # A streamed call's batch window for this request (None: the engine's stream_batch_window_s): a
     # call whose client wants one answer streams at a long window, so progress exists if its engine dies.
     batch_window_s: float | None = None
+    # The rollout the call belongs to (None: a stateless call): the engine aborts a rollout's
+    # requests by it (``abort_rollout``: the trainer aborted the rollout).
+    rollout_id: str | None = None
 
 
 @dataclass

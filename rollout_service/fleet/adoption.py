@@ -106,6 +106,8 @@ class Adoption:
         current, path, self._version_source = _current_version(record, labels, open_bracket,
                                                                 self.config.engine.resolved_model())
         self.health.current_version = current
+        self.health.versions = [v for v in (record or {}).get("versions") or [] if isinstance(v, str)]
+        self.health.note_version(current)
         self.weights = WeightsRecord(version=current, path=path)
         if record:
             self._last_refit, self._refits = record.get("last_refit"), record.get("refits") or self._refits
@@ -156,7 +158,8 @@ class Adoption:
         return {"version": self.health.current_version,
                 "path": w.path if w.version == self.health.current_version else None,
                 "apps": sorted(self._apps), "refit": refit, "last_refit": self._last_refit,
-                "refits": dict(self._refits), "incarnation": self.incarnation}
+                "refits": dict(self._refits), "incarnation": self.incarnation,
+                "versions": list(self.health.versions)}
 
     async def _persist(self) -> None:
         """Write the durable record (see rollout_service.fleet.ledger) after each change to it."""

@@ -292,6 +292,21 @@ class FleetClient:
             if call is not None and not done:
                 _cancel(call)
 
+    async def abort_rollout(self, rollout_id: str, timeout_s: float = 5.0) -> int:
+        """Abort the requests of ``rollout_id`` on every engine serving now (each ends at its engine's
+        next step with finish_reason abort); how many were running. An engine that does not answer
+        within ``timeout_s`` counts none (a dead one runs nothing)."""
+        members = self.view.members if self.view is not None else ()
+
+        async def one(m: Member) -> int:
+            try:
+                return int(await asyncio.wait_for(m.handle.abort_rollout.remote(rollout_id), timeout_s))
+            except Exception as exc:
+                logger.warning("abort of rollout %s on engine slot %d: %s", rollout_id, m.slot, exc)
+                return 0
+
+        return sum(await asyncio.gather(*[one(m) for m in members]))
+
     def close_channels(self) -> None:
         for channel in self.channels.values():
             channel.close()

@@ -276,7 +276,7 @@ class EngineFleet(CurrentWeights, Adoption):
         )
         draining = tuple((i, self.slots[i].generation) for i in self.health.in_state(EngineState.DRAINING))
         return FleetView(self.health.epoch, self.health.current_version, members, self.health.refitting,
-                         self.incarnation, draining)
+                         self.incarnation, draining, tuple(self.health.versions))
 
     async def view(self, known_epoch: int | None = None, wait_s: float = 0.0) -> FleetView:
         """The serving set. With ``known_epoch``, wait up to ``wait_s`` for a different epoch (long poll)."""

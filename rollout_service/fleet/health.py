@@ -43,6 +43,9 @@ from enum import Enum
 from typing import Callable
 
 
+
+VERSION_HISTORY = 256  # committed versions a fleet remembers in order (FleetView.versions)
+
 class EngineState(str, Enum):
     STARTING = "starting"  # first start of the slot's engine: loading, not serving
     HEALTHY = "healthy"  # serving
@@ -112,6 +115,9 @@ class FleetHealth:
         self.policy = policy
         self.clock = clock
         self.current_version = current_version
+        # The versions committed, oldest first, the current one last (at most VERSION_HISTORY): how
+        # many refits one version is behind another (the data plane's staleness bound).
+        self.versions: list[str] = [current_version]
         self.refitting = False
         self.retiring = False  # set by drain(): the fleet stops every engine next
         self.epoch = 0
@@ -267,12 +273,20 @@ class FleetHealth:
         self.refitting = False
         if version is not None and version != self.current_version:
             self.current_version = version
+            self.note_version(version)
             for s in self.slots:
                 if s.state in SERVING:
                     s.weight_version = version
         for s in self.slots:
             if s.state is EngineState.STALE and s.weight_version == self.current_version:
                 self._enter(s, EngineState.HEALTHY)
+
+    def note_version(self, version: str) -> None:
+        """``version`` is the newest committed one (a label served again counts from now)."""
+        if version in self.versions:
+            self.versions.remove(version)
+        self.versions.append(version)
+        del self.versions[:-VERSION_HISTORY]
 
     # ------------------------------------------------------------------ internals
     def _enter(self, s: SlotHealth, state: EngineState) -> None:

@@ -90,7 +90,8 @@ class Progress:
         if left <= 0:
             return None
         return GenerateRequest(prompt_ids=[*self.request.prompt_ids, *self.ids], sampling=self.request.sampling,
-                               max_tokens=left, batch_window_s=self.request.batch_window_s)
+                               max_tokens=left, batch_window_s=self.request.batch_window_s,
+                               rollout_id=self.request.rollout_id)
 
     def length_end(self, engine_index: int) -> GenerationChunk:
         """The final chunk of a call whose engine died right after its last allowed id."""

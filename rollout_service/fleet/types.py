@@ -45,6 +45,17 @@ class FleetView:
     # Engines being drained (retired on purpose): routed nothing new, but the calls they run go on, so
     # a data-plane process keeps their channels open.
     draining: tuple[tuple[int, int], ...] = ()
+    # The committed versions, oldest first, ``version`` last (fleet.health.VERSION_HISTORY at most):
+    # a rollout's lag is how many refits its oldest token's version is behind ``version``.
+    versions: tuple[str, ...] = ()
+
+    def lag(self, version: str) -> int | None:
+        """Refits between ``version`` and the current one; None: a version not in ``versions``
+        (older than the fleet remembers, or never committed here)."""
+        for back, v in enumerate(reversed(self.versions)):
+            if v == version:
+                return back
+        return None
 
     def handles(self) -> list[Any]:
         return [m.handle for m in self.members]

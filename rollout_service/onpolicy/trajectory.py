@@ -25,4 +25,10 @@ def trajectory_export(state: RolloutState) -> dict[str, Any]:
             "turns": [{**t.to_dict(), "constrained": t.constrained, "migrations": t.migrations} for t in seg.turns],
             "num_messages": len(seg.messages),
         })
-    return {"id": state.rollout_id, "object": "rollout", "turns": state.turn, "segments": segments}
+    out = {"id": state.rollout_id, "object": "rollout", "turns": state.turn, "segments": segments}
+    # "running" while it takes calls; "aborted" (by the trainer) or "stale" (a call refused past the
+    # staleness bound), with the reason given.
+    out["status"] = state.status or "running"
+    if state.status_reason:
+        out["status_reason"] = state.status_reason
+    return out

@@ -41,6 +41,7 @@ from rollout_service.canary.stats import status_of as canary_status
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.fleet.routing import effective_policy, make_policy
 from rollout_service.serve.protocol.openai import (
+    AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     ResponsesRequest,
@@ -287,6 +288,14 @@ class RolloutService(ForwardingReplica):
     @fastapi_app.delete("/v1/rollouts/{rollout_id}", responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def delete_rollout(self, rollout_id: RolloutIdPath):
         return JSONResponse(await self._read("delete_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))
+
+    @fastapi_app.post("/v1/rollouts/{rollout_id}/abort", responses=ROLLOUT_ERRORS, dependencies=KEYED)
+    async def abort_rollout(self, rollout_id: RolloutIdPath, body: AbortRequest | None = None):
+        """Abort a rollout: its call in flight ends at its engine's next step (``finish_reason`` abort,
+        its tokens so far stored), further calls get 409 ``rollout_aborted``, stored turns stay
+        readable. Idempotent; 404 for an unknown rollout."""
+        kwargs = {"rollout_id": _path_rollout_id(rollout_id), "reason": body.reason if body is not None else None}
+        return JSONResponse(await self._read("abort_rollout", kwargs))
 
     @fastapi_app.get("/rollouts/{rollout_id}/view", response_class=HTMLResponse, responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def view_rollout(self, rollout_id: RolloutIdPath):

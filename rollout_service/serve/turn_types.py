@@ -69,6 +69,9 @@ class TurnRequest:
     prompt_token_ids: list[int] | None = None
     # X-Rollout-Group: the rollout's group (routing.group_placement). Routing only: not in the digest.
     rollout_group: str | None = None
+    # X-Max-Staleness: this call's staleness bound in versions (None: rollouts.max_staleness). Admission
+    # only: not in the digest.
+    max_staleness: int | None = None
 
     def digest(self) -> str:
         """What makes two calls the same call: everything that shapes the prompt or the sampling.

@@ -56,6 +56,7 @@ from rollout_service.serve.dialects.common import optional_rollout_id
 from rollout_service.serve.errors import engine_refusal, http_error, key_reused
 from rollout_service.serve.reads import RolloutReads
 from rollout_service.serve.seams import SeamStops
+from rollout_service.serve.steering import RolloutSteering, StaleRollout
 from rollout_service.serve.streaming import StreamParser
 from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnRequest, TurnResult
 from rollout_service.store.base import StoreError
@@ -84,8 +85,9 @@ def _chat_template(config: RolloutServiceConfig, tokenizer) -> ChatTemplate:
     return ChatTemplate(tokenizer, source, name=name)
 
 
-class TurnRunner(RolloutReads):
-    """Runs the calls of the rollouts routed to this replica (and answers reads: :class:`RolloutReads`)."""
+class TurnRunner(RolloutReads, RolloutSteering):
+    """Runs the calls of the rollouts routed to this replica (and answers reads: :class:`RolloutReads`;
+    aborts and the staleness bound: :class:`RolloutSteering`)."""
 
     def __init__(self, config: RolloutServiceConfig, fleet: FleetClient, store, tokenizer, canary: Canary | None = None):
         self.config = config
@@ -285,6 +287,11 @@ class TurnRunner(RolloutReads):
                 get_metrics().turn("replay")
                 yield replay
                 return
+            try:  # an aborted rollout, or one past its staleness bound: 409, nothing generated or stored
+                self.admit(state, req)
+            except StaleRollout as exc:
+                await self.mark_stale(exc)
+                raise
             async for event in self._run(req, state, digest):
                 if isinstance(event, TurnResult):
                     release()  # stored: the rollout is free before the consumer reads the result
@@ -491,7 +498,8 @@ class TurnRunner(RolloutReads):
         on (:meth:`FleetClient.generate_with_failover`). Streaming calls get the engine's chunks as
         they come; a non-streaming call is one round trip. ``routed`` gets each attempt's route; a
         pin moved by the routing policy is counted here and at the fleet."""
-        request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens)
+        request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens,
+                                  rollout_id=rollout_id)
         routed = [] if routed is None else routed
         chunks = self.fleet.generate_with_failover(rollout_id, request, stream, routed=routed, group=group)
         seams = SeamStops(self.tokenizer, sampling.stop, sampling.skip_special_tokens) if sampling.stop else None

@@ -84,6 +84,7 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
         history_policy=headers.history_policy,
         idempotency_key=headers.idempotency_key,
         rollout_group=headers.rollout_group,
+        max_staleness=headers.max_staleness,
         want_token_strs=bool(req.logprobs) and not req.return_tokens_as_token_ids,
         required_prefix_token_ids=req.required_prefix_token_ids,
         response_format=response_format_dict(req.response_format),

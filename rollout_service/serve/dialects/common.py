@@ -27,13 +27,14 @@ class RolloutHeaders:
     history_policy: str | None
     idempotency_key: str | None
     rollout_group: str | None = None
+    max_staleness: int | None = None
 
     def with_body_rollout_id(self, metadata: dict[str, Any] | None) -> "RolloutHeaders":
         """The rollout id from ``metadata.rollout_id`` when no header named one (headers win)."""
         if self.rollout_id is not None or not metadata or "rollout_id" not in metadata:
             return self
         return RolloutHeaders(valid_rollout_id(metadata["rollout_id"], "metadata.rollout_id"), self.history_policy,
-                              self.idempotency_key, self.rollout_group)
+                              self.idempotency_key, self.rollout_group, self.max_staleness)
 
 
 # The documented rules of rollout ids and these headers as JSON Schema, for the OpenAPI schema only:
@@ -64,6 +65,12 @@ def rollout_headers(
                                                               "group's rollouts start on the same engine (its prompt "
                                                               "prefix cached once). Same rules as a rollout id.",
                                                   json_schema_extra=_ROLLOUT_ID_SCHEMA)] = None,
+    x_max_staleness: Annotated[str | None, Header(description="This call's staleness bound (overrides "
+                                                              "rollouts.max_staleness): the call is admitted only while "
+                                                              "the rollout's oldest generated token is at most this many "
+                                                              "refits behind the version served now; beyond it, 409 "
+                                                              "rollout_stale and nothing is generated or stored.",
+                                                  json_schema_extra={"type": "integer", "minimum": 0})] = None,
 ) -> RolloutHeaders:
     rid = valid_rollout_id(x_rollout_id, "X-Rollout-Id") if x_rollout_id is not None else None
     sid = valid_rollout_id(x_session_id, "X-Session-ID") if x_session_id is not None else None
@@ -76,7 +83,14 @@ def rollout_headers(
     if idempotency_key is not None and not (0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX_LEN):
         raise bad_request(f"Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_MAX_LEN} characters", param="Idempotency-Key")
     group = valid_rollout_id(x_rollout_group, "X-Rollout-Group") if x_rollout_group is not None else None
-    return RolloutHeaders(rid if rid is not None else sid, policy, idempotency_key, group)
+    staleness = None
+    if x_max_staleness is not None:
+        text = x_max_staleness.strip()
+        if not text.isdigit() or not text.isascii():
+            raise bad_request(f"X-Max-Staleness must be a whole number of versions (0 or more), got {x_max_staleness!r}",
+                              param="X-Max-Staleness")
+        staleness = int(text)
+    return RolloutHeaders(rid if rid is not None else sid, policy, idempotency_key, group, staleness)
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

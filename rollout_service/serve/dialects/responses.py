@@ -70,6 +70,7 @@ def turn_request(req: ResponsesRequest, headers: RolloutHeaders) -> TurnRequest:
         history_policy=headers.history_policy,
         idempotency_key=headers.idempotency_key,
         rollout_group=headers.rollout_group,
+        max_staleness=headers.max_staleness,
         required_prefix_token_ids=req.required_prefix_token_ids,
         response_format=req.text.response_format() if req.text is not None else None,
         parallel_tool_calls=req.parallel_tool_calls,

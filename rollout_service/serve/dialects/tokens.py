@@ -126,7 +126,7 @@ def turn_request(raw: Any, headers: RolloutHeaders, request_id_header: str | Non
         max_tokens=sp.max_tokens if "max_tokens" in sampling else None,
         top_logprobs=top or 0, stream=bool(req.stream), rollout_id=headers.rollout_id,
         history_policy=headers.history_policy, idempotency_key=headers.idempotency_key,
-        rollout_group=headers.rollout_group,
+        rollout_group=headers.rollout_group, max_staleness=headers.max_staleness,
         prompt_token_ids=list(req.token_ids),
     )
     if request_id_header:

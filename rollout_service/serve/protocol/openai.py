@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, WithJsonSchema, field_validator, model_validator
 
 # The fields we read are typed strictly: a JSON ``true`` is not the integer 1, ``"0.5"`` is not a
 # number, ``1.0`` is not a token id (pydantic's lax mode would coerce each of them silently).
@@ -541,3 +541,10 @@ class TokenizeRequest(_Lenient):
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
         return self
+
+
+class AbortRequest(BaseModel):
+    """``POST /v1/rollouts/{id}/abort``'s optional body."""
+
+    model_config = ConfigDict(extra="forbid")
+    reason: StrictStr | None = Field(None, max_length=512, description="Why (kept with the rollout's status).")
