@@ -162,3 +162,34 @@ def test_responses_and_completions_reject_bad_input(http):
     _assert_envelope(http.post("/v1/completions", json={"model": MODEL, "prompt": [1, -5]}), 400, param="prompt")
     _assert_envelope(http.post("/v1/completions", json={"model": MODEL, "prompt": [999999999]}), 400, param="prompt")
     _assert_envelope(http.post("/tokenize", json={"model": MODEL}), 400)
+
+
+def test_abort_over_http_refuses_the_next_call_and_keeps_the_history(http, rollout):
+    rid, history, snapshot = rollout
+    _assert_envelope(http.post(f"/v1/rollouts/{rid}/abort", json={"reason": 3}), 400)
+    _assert_envelope(http.post(f"/v1/rollouts/{rid}/abort", json={"why": "x"}), 400)
+    _assert_envelope(http.post(f"/v1/rollouts/nope-{uuid.uuid4().hex[:6]}/abort"), 404, code="rollout_not_found")
+    assert http.get(f"/v1/rollouts/{rid}").json()["status"] == "running"
+    r = http.post(f"/v1/rollouts/{rid}/abort", json={"reason": "over-sampled"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"id": rid, "object": "rollout.abort", "status": "aborted", "reason": "over-sampled",
+                        "already_aborted": False, "aborted_calls": 0}
+    again = http.post(f"/v1/rollouts/{rid}/abort")  # no body: idempotent, the first reason stands
+    assert again.status_code == 200 and again.json()["already_aborted"] and again.json()["reason"] == "over-sampled"
+    r = http.post("/v1/chat/completions", headers={"X-Rollout-Id": rid},
+                  json={"model": MODEL, "messages": history + [{"role": "user", "content": "more"}], "max_tokens": 4})
+    err = _assert_envelope(r, 409, code="rollout_aborted")
+    assert "over-sampled" in err["message"] and err["type"] == "conflict_error"
+    stored = http.get(f"/v1/rollouts/{rid}").json()
+    assert (stored["status"], stored["status_reason"]) == ("aborted", "over-sampled")
+    assert {k: v for k, v in stored.items() if k not in ("status", "status_reason")} == \
+        {k: v for k, v in snapshot.items() if k not in ("status", "status_reason")}
+
+
+@pytest.mark.parametrize("value", ["-1", "one", "1.5", "1e3", ""])
+def test_a_malformed_staleness_bound_is_400(http, rollout, value):
+    rid, history, snapshot = rollout
+    r = http.post("/v1/chat/completions", headers={"X-Rollout-Id": rid, "X-Max-Staleness": value},
+                  json={"model": MODEL, "messages": history + [{"role": "user", "content": "more"}], "max_tokens": 4})
+    _assert_envelope(r, 400, param="X-Max-Staleness")
+    _unchanged(http, rid, snapshot)

@@ -1,0 +1,97 @@
+"""What a trainer steers, on the real data plane (TurnRunner + FleetClient) over two real vLLM engines,
+the real fleet and refit controller and the session's redis-server: aborting a rollout while it
+generates, and the staleness bound against real refits."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+
+import pytest
+
+from fleet_helpers import new_rid, run_events, turn_request
+from rollout_service.serve.protocol.openai import ServiceError
+
+
+async def _first_call(runner, rid: str) -> tuple[list[dict], dict]:
+    messages = [{"role": "user", "content": f"{rid}: count the stars"}]
+    first = (await run_events(runner, turn_request(rid, messages, seed=1, stream=False, max_tokens=4)))[-1]
+    assert "__error__" not in first, first
+    return messages + [{"role": "assistant", "content": first["message"]["content"]},
+                       {"role": "user", "content": "go on"}], first
+
+
+async def test_an_abort_ends_the_running_call_at_once_keeps_its_tokens_and_refuses_the_next(fleet_rig):
+    rig = fleet_rig
+    rid, other = new_rid("abort"), new_rid("bystander")
+    messages, _ = await _first_call(rig.runner, rid)
+    other_messages, _ = await _first_call(rig.runner, other)
+    started = asyncio.Event()
+    long_call = asyncio.create_task(run_events(
+        rig.runner, turn_request(rid, messages, seed=2, stream=True, max_tokens=900),
+        on_event=lambda e: started.set() if e["kind"] == "delta" else None))
+    bystander = asyncio.create_task(run_events(
+        rig.runner, turn_request(other, other_messages, seed=3, stream=True, max_tokens=24)))
+    await asyncio.wait_for(started.wait(), 120)
+    t0 = time.monotonic()
+    answer = await rig.runner.abort_rollout(rid, "dropped by dynamic sampling")
+    events = await asyncio.wait_for(long_call, 30)
+    ended_s = time.monotonic() - t0
+    assert answer["status"] == "aborted" and answer["aborted_calls"] == 1 and not answer["already_aborted"]
+    final = events[-1]
+    assert final["kind"] == "final" and final["finish_reason"] == "abort", final
+    assert ended_s < 1.0, f"the aborted call ended {ended_s:.2f}s after the abort"
+    generated = final["generation_token_ids"]
+    assert 0 < len(generated) < 900
+    # Its tokens so far are stored and marked; the rollout says aborted, with the reason.
+    state = await rig.store.load(rid)
+    assert state.turn == 2 and (state.status, state.status_reason) == ("aborted", "dropped by dynamic sampling")
+    record = state.segments[-1].turns[-1]
+    assert record.finish_reason == "abort" and state.segments[-1].token_ids[record.gen_start:record.gen_end] == generated
+    # The other rollout's call was not touched.
+    done = (await bystander)[-1]
+    assert done["finish_reason"] == "length" and len(done["generation_token_ids"]) == 24
+    # The next call: 409 rollout_aborted, nothing generated or stored.
+    after = messages + [{"role": "assistant", "content": final["message"]["content"]}, {"role": "user", "content": "x"}]
+    refused = (await run_events(rig.runner, turn_request(rid, after, seed=4, stream=False, max_tokens=4)))[-1]
+    assert refused["__error__"] == 409 and refused["error"]["code"] == "rollout_aborted", refused
+    assert "dropped by dynamic sampling" in refused["error"]["message"]
+    assert (await rig.store.load(rid)).turn == 2
+    # Idempotent; an unknown rollout is 404.
+    again = await rig.runner.abort_rollout(rid, "again")
+    assert again["already_aborted"] and again["reason"] == "dropped by dynamic sampling" and again["aborted_calls"] == 0
+    with pytest.raises(ServiceError) as unknown:
+        await rig.runner.abort_rollout(new_rid("never"))
+    assert (unknown.value.status, unknown.value.code) == (404, "rollout_not_found")
+
+
+async def test_a_call_past_the_staleness_bound_is_refused_and_nothing_is_stored(fleet_rig, tiny_model_dir, tmp_path):
+    rig = fleet_rig
+    rid, loose = new_rid("stale"), new_rid("loose")
+    messages, first = await _first_call(rig.runner, rid)
+    loose_messages, _ = await _first_call(rig.runner, loose)
+    started_on = first["weight_versions"][0]["version"]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(tiny_model_dir / "model.safetensors", ckpt / "model.safetensors")
+    labels = [f"{rid}-v{i}" for i in range(3)]
+    for label in labels:  # three refits between the two calls (the same weights: only the labels matter here)
+        report = await asyncio.to_thread(rig.trainer.refit, label, str(ckpt), transport="path")
+        assert report["ok"], report
+    await rig.wait_serving(2, version=labels[-1])
+    assert rig.runner.fleet.view.lag(started_on) == 3
+
+    req = turn_request(rid, messages, seed=5, stream=False, max_tokens=4)
+    req.max_staleness = 1
+    refused = (await run_events(rig.runner, req))[-1]
+    assert refused["__error__"] == 409 and refused["error"]["code"] == "rollout_stale", refused
+    assert started_on in refused["error"]["message"] and labels[-1] in refused["error"]["message"]
+    state = await rig.store.load(rid)
+    assert state.turn == 1 and state.status == "stale" and "bound is 1" in state.status_reason
+    # Within the bound, or with none (rollouts.max_staleness unset): admitted, on the new version.
+    req.max_staleness = 3
+    ok = (await run_events(rig.runner, req))[-1]
+    assert "__error__" not in ok and ok["weight_versions"][0]["version"] == labels[-1]
+    admitted = (await run_events(rig.runner, turn_request(loose, loose_messages, seed=6, stream=False, max_tokens=4)))[-1]
+    assert "__error__" not in admitted and (await rig.store.load(loose)).turn == 2
