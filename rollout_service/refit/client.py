@@ -56,6 +56,7 @@ from rollout_service.weights.collective import (
     send_buckets,
 )
 from rollout_service.refit.awaiting import aget, mark_retrieved, on_callers_device, run_sync, settle
+from rollout_service.refit.deadlines import trainer_wait_s
 from rollout_service.refit.nccl_trainer import NcclTrainer
 from rollout_service.refit.rollout_reads import read_trajectory
 from rollout_service.refit.transports import CheckpointPathTransfer, CollectiveTransfer, ObjectStoreTransfer
@@ -259,7 +260,7 @@ class TrainerClient(NcclTrainer):
                     await self.ainit_weight_sync(backend="gloo", timeout_s=self._group_timeout_s)
                     return await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
             transfer = await asyncio.to_thread(_staged_transfer, params, transport)
-            return await aget(self._start(version, transfer, clear, timeout), _overall(timeout))
+            return await aget(self._start(version, transfer, clear, timeout), trainer_wait_s(timeout))
         finally:
             self._lock.release()
 
@@ -286,7 +287,7 @@ class TrainerClient(NcclTrainer):
         # The controller's outcome is awaited on the loop and lands in a thread-safe future: the
         # send's poll (in the worker thread) reads it there, without Ray.
         outcome: concurrent.futures.Future = concurrent.futures.Future()
-        waiter = asyncio.ensure_future(settle(outcome, aget(ref, _overall(timeout))))
+        waiter = asyncio.ensure_future(settle(outcome, aget(ref, trainer_wait_s(timeout))))
         poll = _join_poll(outcome.done, outcome.result, timeout)
         try:
             timings, send_error = await asyncio.to_thread(self._send, group, params, plan, on_bucket, poll)
@@ -413,7 +414,7 @@ def _staged_transfer(params, transport: str):
 def _join_poll(finished: Callable[[], bool], outcome: Callable[[], Any], step_timeout: float) -> Callable[[], None]:
     """``send_buckets``'s poll while waiting for the workers to join: the controller may have
     refused or failed (``finished()``; ``outcome()`` raises its exception), or the join timed out."""
-    deadline = time.monotonic() + _overall(step_timeout)
+    deadline = time.monotonic() + trainer_wait_s(step_timeout)
 
     def poll() -> None:
         if finished():
@@ -432,11 +433,6 @@ def _group_name() -> str:
 def _gloo_info(name: str, host: str, port: int, world: int, ranks, t0: float) -> dict[str, Any]:
     return {"backend": "gloo", "group": name, "host": host, "port": port, "world_size": world,
             "worker_ranks": ranks, "seconds": time.perf_counter() - t0}
-
-
-def _overall(step_timeout: float) -> float:
-    """A refit is four steps, each under its own timeout, plus a rollback in the worst case."""
-    return 6 * step_timeout + 30
 
 
 def _node_ip() -> str:

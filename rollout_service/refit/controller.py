@@ -36,6 +36,7 @@ from rollout_service.fleet.types import FleetView, Member, actor_identity, is_ac
 from rollout_service.metrics import get_metrics
 from rollout_service.refit.abandoned_refit import AbandonedRefitRecovery
 from rollout_service.refit.control import EngineControl
+from rollout_service.refit.deadlines import refit_lease_s
 from rollout_service.refit.nccl import NcclRounds
 from rollout_service.refit.rollout_reads import RolloutReads
 from rollout_service.refit.three_phase import ThreePhaseRefit
@@ -230,7 +231,7 @@ class RefitController(ThreePhaseRefit, WeightSyncGroups, NcclRounds, AbandonedRe
                 raise ValueError(f"weight version {version!r} was already used; versions label distinct weights")
             timeout = timeout_s or self.config.refit.step_timeout_s
             kind = getattr(transfer, "kind", None)
-            view = await self.fleet.begin_refit.remote(lease_s=_overall(timeout))
+            view = await self.fleet.begin_refit.remote(lease_s=refit_lease_s(timeout))
             committed = None
             try:
                 if kind == "collective":
@@ -291,11 +292,6 @@ class RefitController(ThreePhaseRefit, WeightSyncGroups, NcclRounds, AbandonedRe
         (``EngineFleet.shutdown``)."""
         self._weight_sync = None
         self._control.close()
-
-
-def _overall(step_timeout: float) -> float:
-    """A refit is four steps, each under its own timeout, plus a rollback in the worst case."""
-    return 6 * step_timeout + 30
 
 
 def controller_name(instance_name: str) -> str:

@@ -28,12 +28,11 @@ from typing import Any
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.engine.refit_steps import STEPS as APPLY_STEPS
 from rollout_service.fleet.types import FleetView, Member, is_actor_dead, is_engine_death
+from rollout_service.refit.deadlines import apply_deadline_s
 from rollout_service.refit.transports import bytes_of
 from rollout_service.refit.types import RefitReport, short_error
 
 logger = logging.getLogger("rollout_service.refit.controller")
-
-APPLY_MARGIN_S = 5.0  # past the sum of an apply's step deadlines, for the call itself
 
 
 class _StepFailed(Exception):
@@ -85,15 +84,16 @@ class ThreePhaseRefit:
             applied = await asyncio.gather(
                 *[asyncio.wait_for(self._control.call(m, "refit_apply", stage, version, kwargs, timeout,
                                                       ray_only="refs" in stage),  # refs cannot cross the channel
-                                   len(APPLY_STEPS) * timeout + APPLY_MARGIN_S) for m in view.members],
+                                   apply_deadline_s(timeout)) for m in view.members],
                 return_exceptions=True)
             apply_s = time.perf_counter() - t0
             done = [a for a in applied if not isinstance(a, BaseException)]
             for m, a in zip(view.members, applied):
                 if not isinstance(a, BaseException):
                     reached[m.slot] = a["reached"]
-                elif is_engine_death(a):  # nothing to undo on it: the fleet replaces it on the current version
-                    await self._lost(m, a, timeout, report)
+            # Nothing to undo on an engine that died: the fleet replaces it on the current version.
+            await self._report_lost([(m, a) for m, a in zip(view.members, applied)
+                                     if isinstance(a, BaseException) and is_engine_death(a)], timeout, report)
             report.bytes, report.worker_receive_s = bytes_of([a["stage"] for a in done])
             report.worker_timings = [w for a in done for w in a["load"] if w]
             report.transfer_s = max((a["seconds"].get("transfer", 0.0) for a in done), default=0.0)
@@ -144,6 +144,11 @@ class ThreePhaseRefit:
                                                    report.error]))
         return report
 
+    async def _report_lost(self, lost: list[tuple[Member, BaseException]], timeout: float, report) -> None:
+        """The engines that died during a phase, reported to the fleet all at once (``T`` in all:
+        :func:`~rollout_service.refit.deadlines.refit_lease_s`)."""
+        await asyncio.gather(*[self._lost(m, exc, timeout, report) for m, exc in lost])
+
     async def _lost(self, m: Member, exc: BaseException, timeout: float, report) -> None:
         """An engine died during the refit: reported (the fleet replaces it on the current version)."""
         report.engines_lost.append(m.slot)
@@ -152,6 +157,7 @@ class ThreePhaseRefit:
                 m.slot, m.generation, f"{type(exc).__name__}: during a refit", is_actor_dead(exc)), timeout)
         except Exception:
             pass
+
     async def _commit_and_resume(self, view: FleetView, timeout, report, resumed: set[int]) -> int | None:
         """Release every engine's backup of the previous weights and resume it (one call each). Past
         the point of no return: an engine whose commit fails still serves the new weights under the
@@ -165,11 +171,12 @@ class ThreePhaseRefit:
             return_exceptions=True)
         report.resume_s = time.perf_counter() - t0
         commit_errors, resume_errors = [], []
+        dead: list[tuple[Member, BaseException]] = []
         aborted = 0
         for m, r in zip(view.members, results):
             if isinstance(r, BaseException):
                 if is_engine_death(r):
-                    await self._lost(m, r, timeout, report)
+                    dead.append((m, r))
                 else:  # stalled: neither its commit nor its resume is known; the fleet's probes decide
                     report.commit_failed.append(m.slot)
                     commit_errors.append(f"engine slot {m.slot}: {short_error(r)}")
@@ -184,6 +191,7 @@ class ThreePhaseRefit:
                 commit_errors.append(f"engine slot {m.slot}: {r['commit_error']}")
             if r["resume_error"]:
                 resume_errors.append(f"engine slot {m.slot}: {r['resume_error']}")
+        await self._report_lost(dead, timeout, report)
         if commit_errors:
             report.error = "commit failed (rolled forward: every engine holds the new weights): " + "; ".join(commit_errors)
             logger.warning("refit to %s: %s", report.version, report.error)
@@ -227,13 +235,15 @@ class ThreePhaseRefit:
                 broken.append(f"engine slot {m.slot}: {short_error(exc)}")
                 unrestorable.append(m)
 
-        await asyncio.gather(*[one(m) for m in view.members if m.slot not in lost])
-        for m in unrestorable:
+        async def hand_over(m: Member):
             try:
                 await asyncio.wait_for(self.fleet.mark_dead.remote(
                     m.slot, m.generation, f"not restorable after a failed refit: {report.error}"), timeout)
             except Exception as exc:  # the fleet's probes find it (it stays paused, never resumed here)
                 logger.warning("could not hand engine slot %d to the fleet: %s", m.slot, short_error(exc))
+
+        await asyncio.gather(*[one(m) for m in view.members if m.slot not in lost])
+        await asyncio.gather(*[hand_over(m) for m in unrestorable])  # all at once: T in all
         self._unrestorable = [m.handle for m in unrestorable]
         if broken:
             report.error = f"{report.error}; rollback failed, replaced by the fleet: {'; '.join(broken)}"
