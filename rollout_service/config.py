@@ -164,7 +164,7 @@ class EngineConfig(_Strict):
     def resolved_model(self) -> str:
         if self.model:
             return self.model
-        from rollout_service.ops.tiny_model import ensure_tiny_model
+        from rollout_service.models.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model())
 

@@ -54,7 +54,7 @@ async def main(args) -> None:
     from rollout_service.config import EngineConfig
     from rollout_service.engine import sampling
     from rollout_service.engine.replica import EngineReplica
-    from rollout_service.ops.tiny_model import ensure_tiny_model
+    from rollout_service.models.tiny_model import ensure_tiny_model
 
     to_vllm = sampling.SamplingOptions.to_vllm
 

@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     from rollout_service.config import EngineConfig
     from rollout_service.engine.replica import create_engine_actor
     from rollout_service.ops.runtime import start_local_ray
-    from rollout_service.ops.tiny_model import ensure_tiny_model
+    from rollout_service.models.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model()
     start_local_ray()

@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 
 from rollout_service.onpolicy import ChatTemplate, RolloutState, build_prompt, finish_turn, parse_output, render_message
-from rollout_service.ops.tiny_model import build_tokenizer
+from rollout_service.models.tiny_model import build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]

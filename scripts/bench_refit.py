@@ -44,7 +44,7 @@ MODELS = {
 
 
 def model_dir(size: str, root: Path) -> Path:
-    from rollout_service.ops.tiny_model import build_tiny_model, ensure_tiny_model
+    from rollout_service.models.tiny_model import build_tiny_model, ensure_tiny_model
 
     if MODELS[size] is None:
         return ensure_tiny_model()

@@ -1113,7 +1113,7 @@ def main() -> int:
                          "process (it reads RAY_SERVE_ENABLE_HA_PROXY at import): use level pairing")
 
     from rollout_service.config import RolloutServiceConfig
-    from rollout_service.ops.tiny_model import ensure_tiny_model
+    from rollout_service.models.tiny_model import ensure_tiny_model
 
     t_start = time.time()
     info = machine_info()

@@ -194,7 +194,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from rollout_service.config import RolloutServiceConfig
-    from rollout_service.ops.tiny_model import ensure_tiny_model
+    from rollout_service.models.tiny_model import ensure_tiny_model
 
     t_start = time.time()
     info = base.machine_info()

@@ -32,7 +32,7 @@ def main() -> dict:
     from rollout_service.fleet.fleet import EngineFleet
     from rollout_service.refit.client import TrainerClient
     from rollout_service.refit.controller import RefitController
-    from rollout_service.ops.tiny_model import ensure_tiny_model
+    from rollout_service.models.tiny_model import ensure_tiny_model
 
     sys.path.insert(0, str(Path(__file__).parent))
     from refit_helpers import perturbed

@@ -50,7 +50,7 @@ TOOLS = [WEATHER_TOOL, SEARCH_TOOL]
 
 @functools.cache
 def tokenizer():
-    from rollout_service.ops.tiny_model import build_tokenizer
+    from rollout_service.models.tiny_model import build_tokenizer
 
     return build_tokenizer()
 

@@ -31,7 +31,7 @@ TEST_KV_GIB = 0.125
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from rollout_service.ops.tiny_model import ensure_tiny_model
+    from rollout_service.models.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model()
 

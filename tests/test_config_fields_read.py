@@ -33,14 +33,14 @@ CONSTRUCTORS = {"model_validate", "from_args", "from_yaml", "model_copy", "model
 
 def _copied_into_health_policy(field: str) -> bool:
     """fleet.health_policy builds HealthPolicy with getattr(fleet_config, k) for each of its fields
-    (a name the AST check cannot follow); the fleet and its health state machine read them as
-    ``policy.<k>``."""
+    (a name the AST check cannot follow); the fleet (its modules) and its health state machine read them
+    as ``policy.<k>``."""
     import inspect
 
     from rollout_service.fleet.fleet import health_policy
     from rollout_service.fleet.health import HealthPolicy
 
-    fleet_code = "".join((PACKAGE / "fleet" / f).read_text() for f in ("fleet.py", "health.py"))
+    fleet_code = "".join(path.read_text() for path in sorted((PACKAGE / "fleet").glob("*.py")))
     return (field in HealthPolicy.__dataclass_fields__ and "getattr(fc, k)" in inspect.getsource(health_policy)
             and f"policy.{field}" in fleet_code)
 

@@ -407,7 +407,7 @@ def does_not_fit():
 def abandoned():
     """An engine start cancelled while its group waits for GPUs (fleet stop, config restart): the
     reservation thread goes on, and the group it gets once GPUs free up must be removed, not kept."""
-    from rollout_service.fleet.fleet import reserve
+    from rollout_service.fleet.bring_up import reserve
 
     placements = hold_every_gpu()
 

@@ -229,7 +229,7 @@ def test_epoch_changes_only_when_the_serving_set_changes(clock):
 
 
 def test_an_adopted_engine_serves_on_the_current_version_and_is_stale_on_another(clock):
-    """A restarted fleet takes over live engines with their generations (EngineFleet._adopt)."""
+    """A restarted fleet takes over live engines with their generations (Adoption._adopt)."""
     h = FleetHealth(3, POLICY, clock=clock, current_version="v7")
     assert h.on_adopted(0, 4, "v7") is S.HEALTHY and h.slots[0].generation == 4
     assert h.on_adopted(1, 0, "v6") is S.STALE

@@ -15,8 +15,12 @@ Rules, read from the source (every import, including the lazy ones inside functi
 - ``canary/`` (the parity canary, run by the data plane) imports none of the data plane, the control
   plane, the store or operations; its recompute and figures (``recompute.py``, ``stats.py``) no Ray
   or vLLM. The engine and the fleet never import it.
-- No plane imports operations (``ops/``: the launcher, runtime, CLI, demo, tiny model); ``config``
-  may (the default model is the tiny one, built on first use).
+- ``models/`` (the default model, the tiny one, built on first use) imports nothing else of ours:
+  ``config`` resolves its default model there.
+- No plane imports operations (``ops/``: the launcher, runtime, CLI, demo), nor does ``config`` or
+  ``metrics``.
+- Floors (the README's Layout names them, a line each; read from there): a module imports only
+  modules of its own floor or a lower one. Every plane and top-level module is on one floor.
 - No import cycle, between packages or between modules.
 - No module imports another module's ``_private`` name, or reads one off a module of ours it
   imported (package, tests and scripts alike); ``__dunder__`` names are not private.
@@ -25,11 +29,13 @@ Rules, read from the source (every import, including the lazy ones inside functi
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "rollout_service"
-PLANES = ("onpolicy", "weights", "engine", "fleet", "serve", "store", "refit", "ops", "training", "canary")
+PLANES = ("onpolicy", "weights", "engine", "fleet", "serve", "store", "refit", "ops", "training", "canary", "models")
+TOP_MODULES = ("config", "metrics")
 
 
 def module_name(path: Path) -> str:
@@ -136,10 +142,62 @@ def test_the_canary_sits_beside_the_data_plane():
         assert not [n for n in imports_of(PKG / "canary" / name) if n.split(".")[0] in ("ray", "vllm", "torch")], name
 
 
+def test_the_default_model_stands_alone():
+    assert forbidden("models", set(PLANES) - {"models"} | set(TOP_MODULES)) == []
+
+
 def test_no_plane_imports_operations():
-    bad = [f"{p.relative_to(PKG)} imports {n}" for plane in PLANES if plane != "ops"
-           for p in files_of(plane) for n in imports_of(p) if plane_of(n) == "ops"]
+    tops = [PKG / f"{name}.py" for name in TOP_MODULES]
+    bad = [f"{p.relative_to(PKG)} imports {n}" for p in [*tops, *(f for plane in PLANES if plane != "ops"
+                                                                  for f in files_of(plane))]
+           for n in imports_of(p) if plane_of(n) == "ops"]
     assert bad == []
+
+
+def readme_floors(text: str) -> dict[str, int]:
+    """``{plane or top-level module: floor}`` from the ``- floor N: a, b`` lines of the README's Layout."""
+    layout = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    return {name.strip().strip("`"): int(n) for n, names in re.findall(r"^- floor (\d+): (.+)$", layout, re.M)
+            for name in names.split(",")}
+
+
+FLOORS = readme_floors((ROOT / "README.md").read_text())
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the package and the modules of ours it imports (lazy imports included)."""
+    return {module_name(path): {n for n in imports_of(path) if is_module(n)} for path in package_files()}
+
+
+def upward_imports(graph: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+    """The imports from a module to a module of a higher floor (by the module's plane or top-level name)."""
+    return [f"{mod} imports {dep} (floor {floors[plane_of(mod)]} -> {floors[plane_of(dep)]})"
+            for mod, deps in sorted(graph.items()) for dep in sorted(deps)
+            if plane_of(mod) in floors and plane_of(dep) in floors and floors[plane_of(dep)] > floors[plane_of(mod)]]
+
+
+def test_every_plane_and_top_level_module_is_on_one_floor():
+    text = (ROOT / "README.md").read_text()
+    lines = re.findall(r"^- floor (\d+): (.+)$", text.split("\n## Layout", 1)[1].split("\n## ", 1)[0], re.M)
+    named = [name.strip() for _, names in lines for name in names.split(",")]
+    assert sorted(named) == sorted(set(named)), "a name on two floors"
+    assert set(FLOORS) == set(PLANES) | set(TOP_MODULES)
+    assert [int(n) for n, _ in lines] == list(range(len(lines))), "floors are numbered 0, 1, ... lowest first"
+
+
+def test_no_module_imports_a_module_of_a_higher_floor():
+    graph = module_graph()
+    assert len(graph) > 100 and all(plane_of(m) in FLOORS for m in graph if m != "rollout_service")
+    assert upward_imports(graph, FLOORS) == []
+
+
+def test_upward_imports_are_found():
+    floors = {"low": 0, "mid": 1, "high": 2}
+    graph = {"rollout_service.low.a": {"rollout_service.high.b"}, "rollout_service.mid.c": {"rollout_service.low.a",
+             "rollout_service.mid.d"}, "rollout_service.high.b": {"rollout_service.mid.c"}}
+    assert upward_imports(graph, floors) == ["rollout_service.low.a imports rollout_service.high.b (floor 0 -> 2)"]
+    assert readme_floors("# x\n## Layout\n\n- floor 0: low, `mid`\n- floor 1: high\n\n## Next\n- floor 2: no\n") == \
+        {"low": 0, "mid": 0, "high": 1}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -72,7 +72,7 @@ def test_every_worker_method_the_controller_fans_out_exists_on_vllms_worker():
 def test_trainer_engine_accepts_our_init_info_client_and_source():
     from vllm.distributed.weight_transfer.base import WeightSource
 
-    from rollout_service.refit.client import state_dict_weight_source
+    from rollout_service.refit.nccl_trainer import state_dict_weight_source
 
     info = vllm_wt.NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=29500, world_size=3, rank=0)
     assert info.is_sender
@@ -83,7 +83,7 @@ def test_trainer_engine_accepts_our_init_info_client_and_source():
 
 
 def test_vllms_per_tensor_check_accepts_the_state_dict_source_and_catches_a_mismatch():
-    from rollout_service.refit.client import state_dict_weight_source
+    from rollout_service.refit.nccl_trainer import state_dict_weight_source
 
     source = state_dict_weight_source()
     source.params = {"a.weight": torch.randn(4, 3), "b.bias": torch.randn(5).to(torch.bfloat16)}

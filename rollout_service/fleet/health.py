@@ -1,10 +1,10 @@
 """Engine health as a pure state machine: no Ray, no I/O, an injectable clock.
 
-The fleet actor (:mod:`rollout_service.fleet.fleet`) does the I/O — probing engines, killing and
-starting actors, loading weights — and reports what happened here; this module only decides what
-that means: which engines serve, which must be replaced and when, which are stale, which slot is
-crash-looping. Every transition is therefore testable without Ray, a network or an engine, and
-tests never sleep (they advance the clock).
+The fleet actor (:mod:`rollout_service.fleet.fleet`; its probes in :mod:`rollout_service.fleet.monitor`)
+does the I/O — probing engines, killing and starting actors, loading weights — and reports what
+happened here; this module only decides what that means: which engines serve, which must be
+replaced and when, which are stale, which slot is crash-looping. Every transition is therefore
+testable without Ray, a network or an engine, and tests never sleep (they advance the clock).
 
 Per slot (one slot per engine: one GPU / TP group), the states are::
 

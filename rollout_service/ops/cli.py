@@ -9,7 +9,7 @@ from rollout_service.metrics import DEFAULT_METRICS_PORT
 
 
 def _cmd_build_tiny_model(args: argparse.Namespace) -> int:
-    from rollout_service.ops.tiny_model import build_tiny_model
+    from rollout_service.models.tiny_model import build_tiny_model
 
     path = build_tiny_model(args.dir, seed=args.seed, overwrite=args.overwrite)
     print(path)

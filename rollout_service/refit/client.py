@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from rollout_service.weights.collective import (
     ABORT_MESSAGE,
@@ -56,6 +55,10 @@ from rollout_service.weights.collective import (
     plan_for_state_dict,
     send_buckets,
 )
+from rollout_service.refit.awaiting import aget, mark_retrieved, on_callers_device, run_sync, settle
+from rollout_service.refit.deadlines import trainer_wait_s
+from rollout_service.refit.nccl_trainer import NcclTrainer
+from rollout_service.refit.rollout_reads import read_trajectory
 from rollout_service.refit.transports import CheckpointPathTransfer, CollectiveTransfer, ObjectStoreTransfer
 from rollout_service.refit.types import MEMBERSHIP_CHANGED, RefitFailed, RefitInProgress, WeightSyncNotInitialized
 
@@ -72,7 +75,7 @@ class RefitSettings:
     timeout_s: float
 
 
-class TrainerClient:
+class TrainerClient(NcclTrainer):
     def __init__(
         self,
         controller=None,
@@ -119,11 +122,11 @@ class TrainerClient:
     def settings(self) -> RefitSettings:
         """The backend, bucket size and step timeout a call uses: the explicit constructor arguments,
         the rest from the service's ``refit`` config (one controller query)."""
-        return _sync(self.asettings())
+        return run_sync(self.asettings())
 
     async def asettings(self) -> RefitSettings:
         """:meth:`settings`, awaited."""
-        return self._resolve(await _aget((await self._acontroller()).refit_config.remote(), 60))
+        return self._resolve(await aget((await self._acontroller()).refit_config.remote(), 60))
 
     def _resolve(self, refit_config: Mapping[str, Any]) -> RefitSettings:
         from rollout_service.config import RefitConfig
@@ -146,7 +149,7 @@ class TrainerClient:
     def init_weight_sync(self, *, backend: str | None = None, host: str | None = None, port: int | None = None,
                          timeout_s: float | None = None) -> dict[str, Any]:
         """:meth:`ainit_weight_sync`, run to completion."""
-        return _sync(self.ainit_weight_sync(backend=backend, host=host, port=port, timeout_s=timeout_s))
+        return run_sync(self.ainit_weight_sync(backend=backend, host=host, port=port, timeout_s=timeout_s))
 
     async def ainit_weight_sync(
         self,
@@ -170,15 +173,15 @@ class TrainerClient:
             self._weight_sync_args, backend or settings.backend, host, port, timeout_s or settings.timeout_s)
         self._group = self._nccl = None  # one transport at a time: the new one replaces the old
         if backend == "nccl":  # pragma: no cover - GPU only
-            world = await _aget(controller.weight_sync_world_size.remote(), timeout)
+            world = await aget(controller.weight_sync_world_size.remote(), timeout)
             # vLLM's trainer engine is synchronous: its controller calls block that thread, not the loop.
-            return await asyncio.to_thread(_on_callers_device(self._init_nccl), host, port, timeout, world,
+            return await asyncio.to_thread(on_callers_device(self._init_nccl), host, port, timeout, world,
                                            settings.bucket_bytes)
-        world = await _aget(controller.weight_sync_world_size.remote(), timeout)
+        world = await aget(controller.weight_sync_world_size.remote(), timeout)
         name, t0 = _group_name(), time.perf_counter()
         ranks_ref = controller.init_weight_sync.remote(host, port, name, timeout)
         group = await asyncio.to_thread(open_group, host, port, world, 0, name, timeout)
-        ranks = await _aget(ranks_ref, timeout)
+        ranks = await aget(ranks_ref, timeout)
         self._group, self._group_timeout_s, self._group_formed = group, timeout, True
         return _gloo_info(name, host, port, world, ranks, t0)
 
@@ -205,7 +208,7 @@ class TrainerClient:
         on_bucket: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
         """:meth:`arefit`, run to completion."""
-        return _sync(self.arefit(version, params, transport=transport, clear_cache=clear_cache, timeout_s=timeout_s,
+        return run_sync(self.arefit(version, params, transport=transport, clear_cache=clear_cache, timeout_s=timeout_s,
                                  on_bucket=on_bucket))
 
     async def arefit(
@@ -234,7 +237,7 @@ class TrainerClient:
         except BaseException:
             self._lock.release()
             raise
-        task.add_done_callback(_retrieve)
+        task.add_done_callback(mark_retrieved)
         return await asyncio.shield(task)
 
     async def _arefit_locked(self, version, params, transport, clear_cache, timeout_s, on_bucket) -> dict[str, Any]:
@@ -244,12 +247,12 @@ class TrainerClient:
             version, clear, timeout = self._refit_args(version, clear_cache, timeout_s, settings)
             if transport == "collective":
                 if self._nccl is not None:  # pragma: no cover - GPU only
-                    previous = await _aget(self.controller.current_version.remote(), 60)
-                    return await asyncio.to_thread(_on_callers_device(self._refit_nccl), version, params, previous)
+                    previous = await aget(self.controller.current_version.remote(), 60)
+                    return await asyncio.to_thread(on_callers_device(self._refit_nccl), version, params, previous)
                 bucket = settings.bucket_bytes
                 try:
                     if self._group is not None:  # before any byte is sent: is the group still whole?
-                        await _aget(self.controller.check_weight_sync.remote(), 60)
+                        await aget(self.controller.check_weight_sync.remote(), 60)
                     return await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
                 except WeightSyncNotInitialized as exc:
                     if not self._reform_after(exc):
@@ -257,7 +260,7 @@ class TrainerClient:
                     await self.ainit_weight_sync(backend="gloo", timeout_s=self._group_timeout_s)
                     return await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
             transfer = await asyncio.to_thread(_staged_transfer, params, transport)
-            return await _aget(self._start(version, transfer, clear, timeout), _overall(timeout))
+            return await aget(self._start(version, transfer, clear, timeout), trainer_wait_s(timeout))
         finally:
             self._lock.release()
 
@@ -284,7 +287,7 @@ class TrainerClient:
         # The controller's outcome is awaited on the loop and lands in a thread-safe future: the
         # send's poll (in the worker thread) reads it there, without Ray.
         outcome: concurrent.futures.Future = concurrent.futures.Future()
-        waiter = asyncio.ensure_future(_settle(outcome, _aget(ref, _overall(timeout))))
+        waiter = asyncio.ensure_future(settle(outcome, aget(ref, trainer_wait_s(timeout))))
         poll = _join_poll(outcome.done, outcome.result, timeout)
         try:
             timings, send_error = await asyncio.to_thread(self._send, group, params, plan, on_bucket, poll)
@@ -360,117 +363,34 @@ class TrainerClient:
     # --------------------------------------------------------------------- misc
     def stats(self) -> dict[str, Any]:
         """:meth:`astats`, run to completion."""
-        return _sync(self.astats())
+        return run_sync(self.astats())
 
     async def astats(self) -> dict[str, Any]:
         """The controller's view: weight version, engines and their health, in-flight rollouts and their lag."""
-        return await _aget((await self._acontroller()).stats.remote(), 60)
+        return await aget((await self._acontroller()).stats.remote(), 60)
 
     def get_rollout(self, rollout_id: str) -> dict[str, Any] | None:
         """:meth:`aget_rollout`, run to completion."""
-        return _sync(self.aget_rollout(rollout_id))
+        return run_sync(self.aget_rollout(rollout_id))
 
     async def aget_rollout(self, rollout_id: str) -> dict[str, Any] | None:
         """The trajectory of one rollout (segments: token_ids, loss_mask, logprobs, weight_versions),
         the ``GET /v1/rollouts/{id}`` document, None if unknown. Read from the rollout store
         directly (the service's Redis): a data read, not the control plane's business."""
-        config = await _aget((await self._acontroller()).store_config.remote(), 60)
+        config = await aget((await self._acontroller()).store_config.remote(), 60)
         return await read_trajectory(config, rollout_id)
 
     def weights_checksums(self) -> list[str]:
         """:meth:`aweights_checksums`, run to completion."""
-        return _sync(self.aweights_checksums())
+        return run_sync(self.aweights_checksums())
 
     async def aweights_checksums(self) -> list[str]:
         """A checksum of every engine worker's weights (equal across engines after a refit)."""
         timeout = self.timeout_s or (await self.asettings()).timeout_s
-        return await _aget((await self._acontroller()).weights_checksums.remote(), timeout)
-
-    # ------------------------------------------- GPU (unverified on GPUs; CPU short of the NCCL calls)
-    def _init_nccl(self, host: str, port: int, timeout: float, world: int, bucket_bytes: int) -> dict[str, Any]:
-        """vLLM's trainer-side NCCL engine, driving every engine through the controller (GPU only).
-
-        Blocking: vLLM's engine calls the controller synchronously (``ray.get`` inside
-        ``ControllerWeightSyncClient``); the async path runs this in a worker thread. The packed
-        buffers (two per side, on the GPU) are ``bucket_bytes`` each; vLLM hands that size to the
-        workers with the init info, so both sides agree. On CPU everything up to vLLM's NCCL
-        rendezvous runs (tests/test_refit_nccl_lease.py); the rendezvous itself needs GPUs."""
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
-
-        from rollout_service.refit.transports import ControllerWeightSyncClient
-
-        self._nccl_source = state_dict_weight_source()
-        self._nccl_client = ControllerWeightSyncClient(self.controller, timeout_s=timeout)
-        self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(
-            NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world, rank=0,
-                                packed_buffer_size_bytes=bucket_bytes),
-            client=self._nccl_client,
-            source=self._nccl_source,
-        )
-        return {"backend": "nccl", "host": host, "port": port, "world_size": world, "bucket_bytes": bucket_bytes}
-
-    def _refit_nccl(self, version: str, params, previous: str) -> dict[str, Any]:
-        from rollout_service.refit.types import RefitReport
-
-        t0 = time.perf_counter()
-        self._nccl_source.params = params
-        self._nccl_client.version = version
-        self._nccl.send_weights()  # start_weight_update -> update_weights || broadcast -> finish
-        return RefitReport(
-            version=version, previous_version=previous, transport="nccl", ok=True,
-            bytes=sum(t.numel() * t.element_size() for t in params.values()), num_tensors=len(params),
-            total_s=time.perf_counter() - t0,
-        ).to_dict()
+        return await aget((await self._acontroller()).weights_checksums.remote(), timeout)
 
 
 # ------------------------------------------------------------------------ helpers
-async def read_trajectory(store_config: dict, rollout_id: str) -> dict[str, Any] | None:
-    from rollout_service.config import StoreConfig
-    from rollout_service.onpolicy.trajectory import trajectory_export
-    from rollout_service.store.base import validate_rollout_id
-    from rollout_service.store.redis_store import RedisRolloutStore
-
-    validate_rollout_id(rollout_id)
-    store = RedisRolloutStore.from_config(StoreConfig.model_validate(store_config))
-    try:
-        state = await store.load(rollout_id)
-    finally:
-        await store.close()
-    return None if state is None else trajectory_export(state)
-
-
-def _sync(coro):
-    """The synchronous shim: run a coroutine of the client to completion from sync code, in a private
-    event loop; on a worker thread when the calling thread already runs a loop (which it blocks, as
-    any synchronous call would)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(_on_callers_device(asyncio.run), coro).result()
-
-
-def _on_callers_device(fn: Callable) -> Callable:
-    """``fn``, to run in another thread on the calling thread's CUDA device: torch's current device is
-    per thread (a new thread starts on device 0), and vLLM's NCCL trainer engine puts its
-    communicator and buffers on the current device. A process that never imported torch has none."""
-    torch = sys.modules.get("torch")
-    device = None
-    try:
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            device = torch.cuda.current_device()
-    except Exception:  # pragma: no cover - no usable CUDA
-        device = None
-    if device is None:
-        return fn
-
-    def on_device(*args, **kwargs):
-        torch.cuda.set_device(device)
-        return fn(*args, **kwargs)
-
-    return on_device
-
 
 def _check_transport(transport: str) -> None:
     if transport not in TRANSPORTS:
@@ -494,7 +414,7 @@ def _staged_transfer(params, transport: str):
 def _join_poll(finished: Callable[[], bool], outcome: Callable[[], Any], step_timeout: float) -> Callable[[], None]:
     """``send_buckets``'s poll while waiting for the workers to join: the controller may have
     refused or failed (``finished()``; ``outcome()`` raises its exception), or the join timed out."""
-    deadline = time.monotonic() + _overall(step_timeout)
+    deadline = time.monotonic() + trainer_wait_s(step_timeout)
 
     def poll() -> None:
         if finished():
@@ -515,58 +435,6 @@ def _gloo_info(name: str, host: str, port: int, world: int, ranks, t0: float) ->
             "worker_ranks": ranks, "seconds": time.perf_counter() - t0}
 
 
-_OUR_ERRORS = (RefitFailed, RefitInProgress, WeightSyncNotInitialized, ValueError, TypeError)
-
-
-def _our_cause(exc: BaseException) -> BaseException | None:
-    """The controller's own exception inside Ray's ``RayTaskError``, if it is one of ours."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, _OUR_ERRORS) else None
-
-
-async def _aget(ref, timeout: float | None):
-    """The ref's value, awaited, raising our own exceptions (RefitFailed, RefitInProgress, ...) rather
-    than Ray's wrapper; a timeout raises Ray's ``GetTimeoutError``."""
-    import ray
-
-    try:
-        return await asyncio.wait_for(_await(ref), timeout)
-    except ray.exceptions.RayTaskError as exc:
-        cause = _our_cause(exc)
-        if cause is not None:
-            raise cause from None
-        raise
-    except TimeoutError:
-        raise ray.exceptions.GetTimeoutError(f"Get timed out: {ref} not ready after {timeout}s") from None
-
-
-async def _await(ref):
-    return await ref
-
-
-async def _settle(future: concurrent.futures.Future, awaitable: Awaitable) -> None:
-    """Await ``awaitable`` and put its result or exception into a thread-safe ``future``."""
-    try:
-        result = await awaitable
-    except BaseException as exc:
-        future.set_exception(exc)
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-    else:
-        future.set_result(result)
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    """Done-callback of a shielded refit: mark its exception retrieved if nobody awaits it any more."""
-    if not task.cancelled():
-        task.exception()
-
-
-def _overall(step_timeout: float) -> float:
-    """A refit is four steps, each under its own timeout, plus a rollback in the worst case."""
-    return 6 * step_timeout + 30
-
-
 def _node_ip() -> str:
     """The address Ray registered for this node (127.0.0.1 on a local cluster), else loopback."""
     try:
@@ -577,24 +445,3 @@ def _node_ip() -> str:
     except Exception:
         pass
     return "127.0.0.1"
-
-
-def state_dict_weight_source():
-    """vLLM's ``WeightSource`` over the state dict of the current refit (set ``.params`` per round).
-
-    Built on first use: this module imports without vLLM. Only the two abstract methods are ours;
-    vLLM's defaults group the stream and ``NCCLTrainerWeightTransferEngine`` checks each yielded
-    tensor against ``metadata()``."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class StateDictWeightSource(WeightSource):
-        def __init__(self, params: Mapping[str, Any] | None = None):
-            self.params = params or {}
-
-        def metadata(self):
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.params.items()]
-
-        def __iter__(self):
-            return iter(list(self.params.items()))
-
-    return StateDictWeightSource()

@@ -15,6 +15,13 @@ path) and version, resumes them all, and raises :class:`~rollout_service.refit.t
 with the report; an engine that cannot be restored is handed to the fleet to be replaced, never
 left paused. A second refit while one runs raises
 :class:`~rollout_service.refit.types.RefitInProgress`. See docs/refit.md.
+
+This module is the actor, its entry points and the refit's bracket on the fleet. In rooms of their
+own, mixins of :class:`RefitController`: :mod:`~rollout_service.refit.three_phase` (the three phases
+and the failure path), :mod:`~rollout_service.refit.weight_sync` (the trainer's gloo group),
+:mod:`~rollout_service.refit.nccl` (the NCCL round), :mod:`~rollout_service.refit.abandoned_refit`
+(after a restart: the refit a dead incarnation left) and :mod:`~rollout_service.refit.rollout_reads`
+(where trainers read their rollouts).
 """
 
 from __future__ import annotations
@@ -25,37 +32,25 @@ import time
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.fleet.types import FleetView, Member, actor_identity, is_actor_dead, is_engine_death
-from rollout_service.weights.collective import ABORT_MESSAGE
+from rollout_service.fleet.types import FleetView, Member, actor_identity, is_actor_dead
 from rollout_service.metrics import get_metrics
-from rollout_service.engine.refit_steps import STEPS as APPLY_STEPS
+from rollout_service.refit.abandoned_refit import AbandonedRefitRecovery
 from rollout_service.refit.control import EngineControl
+from rollout_service.refit.deadlines import refit_lease_s
 from rollout_service.refit.nccl import NcclRounds
-from rollout_service.refit.recovery import RestartRecovery
-from rollout_service.refit.transports import bytes_of
-from rollout_service.refit.types import (
-    MEMBERSHIP_CHANGED,
-    RefitFailed,
-    RefitInProgress,
-    RefitReport,
-    WeightSyncNotInitialized,
-    short_error,
-)
+from rollout_service.refit.rollout_reads import RolloutReads
+from rollout_service.refit.three_phase import ThreePhaseRefit
+from rollout_service.refit.types import RefitFailed, RefitInProgress, short_error
+from rollout_service.refit.weight_sync import WeightSyncGroups
+from rollout_service.weights.collective import ABORT_MESSAGE
 
 logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "rollout-service-refit"
-
-
-APPLY_MARGIN_S = 5.0  # past the sum of an apply's step deadlines, for the call itself
-
-
-class _StepFailed(Exception):
-    """An engine's apply call named the step that failed and why (the message is the report's error)."""
 CONTROLLER_NAMESPACE = "rollout-service"
 
 
-class RefitController(NcclRounds, RestartRecovery):
+class RefitController(ThreePhaseRefit, WeightSyncGroups, NcclRounds, AbandonedRefitRecovery, RolloutReads):
     def __init__(self, config: RolloutServiceConfig | dict, fleet=None):
         self.config = config if isinstance(config, RolloutServiceConfig) else RolloutServiceConfig.model_validate(config)
         self._fleet = fleet
@@ -73,10 +68,10 @@ class RefitController(NcclRounds, RestartRecovery):
         # Ray restarts a controller that died (max_restarts): the new incarnation first ends the refit
         # the old one may have left half-done (_end_abandoned_refit), before anything else.
         _, self._reconstructed = actor_identity()
-        self._recover_lock = asyncio.Lock()
+        self._abandoned_refit_lock = asyncio.Lock()
         self.recovered: dict[str, Any] | None = None  # what that found and did (stats)
         if self._reconstructed:
-            self._recover_at_once()
+            self._end_abandoned_refit_soon()
 
     @property
     def fleet(self):
@@ -196,16 +191,6 @@ class RefitController(NcclRounds, RestartRecovery):
         from it unless the trainer overrides them."""
         return self.config.refit.model_dump()
 
-    def store_config(self) -> dict[str, Any]:
-        """Where rollouts are stored (trainers read trajectories there: ``TrainerClient.get_rollout``)."""
-        import os
-
-        store = self.config.store.model_copy()
-        store.redis_url = os.environ.get("ROLLOUT_SERVICE_REDIS_URL") or store.redis_url
-        if not store.redis_url:
-            raise RuntimeError("store.redis_url is not configured")
-        return store.model_dump()
-
     def is_refitting(self) -> bool:
         return self._refit_lock.locked()
 
@@ -217,55 +202,6 @@ class RefitController(NcclRounds, RestartRecovery):
         if failed:
             raise RuntimeError(f"weights checksum failed on engine slot(s) {failed}")
         return [c for slot in sorted(out) for c in out[slot]]
-
-    # ----------------------------------------------------------------- weight sync
-    async def weight_sync_world_size(self) -> int:
-        """Trainer (rank 0) + every worker of every serving engine."""
-        view = await self._view()
-        return 1 + len(view.members) * self.config.engine.tensor_parallel_size
-
-    async def init_weight_sync(self, host: str, port: int, group_name: str, timeout_s: float | None = None) -> list[int]:
-        """Every engine worker joins the trainer's dedicated gloo group (trainer = rank 0, hosting the
-        TCPStore at host:port). The trainer joins concurrently (``TrainerClient.init_weight_sync``).
-        Returns the workers' ranks. Also on a service whose ``refit.backend`` is nccl, when the
-        trainer asks for gloo: the group is this service's own, whatever the engines started with."""
-        if self._refit_lock.locked():
-            raise RefitInProgress("cannot re-create the weight-sync group while a refit runs")
-        view = await self._view()
-        timeout = timeout_s or self.config.refit.step_timeout_s
-        tp = self.config.engine.tensor_parallel_size
-        world = 1 + len(view.members) * tp
-        self._weight_sync = None
-        calls = [
-            m.handle.collective_rpc.remote(
-                "rs_weight_sync_init", args=(host, port, world, 1 + i * tp, group_name, timeout), timeout=timeout
-            )
-            for i, m in enumerate(view.members)
-        ]
-        ranks = await asyncio.wait_for(asyncio.gather(*calls), timeout=timeout)
-        self._weight_sync = {"host": host, "port": port, "group": group_name, "world_size": world, "timeout_s": timeout,
-                             "epoch": view.epoch, "members": [list(m.key) for m in view.members]}
-        return [r for per_engine in ranks for r in per_engine]
-
-    async def close_weight_sync(self) -> None:
-        self._weight_sync = None
-        await self.fleet.fan_out.remote("collective_rpc", "rs_weight_sync_close")
-
-    async def check_weight_sync(self) -> None:
-        """Raise WeightSyncNotInitialized if the group no longer matches the serving engines (the
-        trainer asks before it sends: a broadcast into a group with a dead rank fails mid-way)."""
-        self._check_weight_sync(await self._view())
-
-    def _check_weight_sync(self, view: FleetView) -> None:
-        """The gloo group has a rank per engine worker: it is only usable by the members it was built with."""
-        if self._weight_sync is None:
-            raise WeightSyncNotInitialized("collective transfer needs init_weight_sync first")
-        if self._weight_sync["members"] != [list(m.key) for m in view.members]:
-            before = self._weight_sync["epoch"]
-            self._weight_sync = None
-            raise WeightSyncNotInitialized(
-                f"{MEMBERSHIP_CHANGED} (fleet epoch {before} -> {view.epoch}: an "
-                "engine was lost or replaced); call init_weight_sync again (TrainerClient does it by itself)")
 
     # ----------------------------------------------------------------------- refit
     async def refit(
@@ -295,7 +231,7 @@ class RefitController(NcclRounds, RestartRecovery):
                 raise ValueError(f"weight version {version!r} was already used; versions label distinct weights")
             timeout = timeout_s or self.config.refit.step_timeout_s
             kind = getattr(transfer, "kind", None)
-            view = await self.fleet.begin_refit.remote(lease_s=_overall(timeout))
+            view = await self.fleet.begin_refit.remote(lease_s=refit_lease_s(timeout))
             committed = None
             try:
                 if kind == "collective":
@@ -303,7 +239,7 @@ class RefitController(NcclRounds, RestartRecovery):
                 if not view.members:
                     raise RefitFailed(f"refit to version {version} failed: no engine is serving (the fleet is "
                                       "replacing them); nothing changed", None)
-                report = await self._refit_locked(
+                report = await self._run_three_phases(
                     version,
                     transfer,
                     self.config.refit.clear_cache if clear_cache is None else bool(clear_cache),
@@ -334,116 +270,6 @@ class RefitController(NcclRounds, RestartRecovery):
             self._num_refits += 1
             return self._last_report
 
-    async def _refit_locked(self, version, transfer, clear_cache, timeout, fail_load_after_tensors,
-                            view: FleetView) -> RefitReport:
-        """Three fan-outs, one engine call each (rollout_service.engine.refit_steps): pause (with the
-        counts), apply (stage, load, label), commit + resume, over the engines' data channels or by
-        Ray calls (rollout_service.refit.control). No engine resumes before every engine is loaded
-        and labelled; from there the refit rolls forward."""
-        engines = view.handles()
-        previous = self.weight_version
-        report = RefitReport(
-            version=version, previous_version=previous, transport=getattr(transfer, "kind", "?"), clear_cache=clear_cache,
-            engines=[m.slot for m in view.members],
-        )
-        step = "pause"
-        applying = False
-        reached: dict[int, str | None] = {}  # slot -> the last apply step it finished (absent: unknown)
-        paused: list[Any] = []
-        resumed: set[int] = set()  # id() of the handles the commit phase resumed
-        aborted_before: dict[int, int] = {}  # id(handle) -> its aborted count before the refit
-        aborted_after: int | None = None
-        await self._control.prepare(view.members, timeout)
-        t_start = time.perf_counter()
-        try:
-            async def pause(m: Member):
-                # Recorded before the call: a pause that times out or fails half-way may still land,
-                # and every engine asked to pause is resumed on the way out (resume is idempotent).
-                paused.append(m.handle)
-                counts = await self._control.call(m, "refit_pause", clear_cache)
-                aborted_before[id(m.handle)] = counts["aborted"]
-                return counts
-
-            t0 = time.perf_counter()
-            counts = await asyncio.wait_for(asyncio.gather(*[pause(m) for m in view.members]), timeout)
-            report.pause_s = time.perf_counter() - t0
-            report.requests_in_flight = sum(c["in_flight"] for c in counts)
-
-            step, applying = "transfer", True
-            t0 = time.perf_counter()
-            kwargs = {"fail_after_tensors": fail_load_after_tensors} if fail_load_after_tensors is not None else None
-            stage = transfer.engine_stage()
-            applied = await asyncio.gather(
-                *[asyncio.wait_for(self._control.call(m, "refit_apply", stage, version, kwargs, timeout,
-                                                      ray_only="refs" in stage),  # refs cannot cross the channel
-                                   len(APPLY_STEPS) * timeout + APPLY_MARGIN_S) for m in view.members],
-                return_exceptions=True)
-            apply_s = time.perf_counter() - t0
-            done = [a for a in applied if not isinstance(a, BaseException)]
-            for m, a in zip(view.members, applied):
-                if not isinstance(a, BaseException):
-                    reached[m.slot] = a["reached"]
-                elif is_engine_death(a):  # nothing to undo on it: the fleet replaces it on the current version
-                    await self._lost(m, a, timeout, report)
-            report.bytes, report.worker_receive_s = bytes_of([a["stage"] for a in done])
-            report.worker_timings = [w for a in done for w in a["load"] if w]
-            report.transfer_s = max((a["seconds"].get("transfer", 0.0) for a in done), default=0.0)
-            report.load_s = max((a["seconds"].get("load", 0.0) for a in done), default=0.0)
-            label_s = max(0.0, apply_s - report.transfer_s - report.load_s)
-            failed = [a for a in applied if isinstance(a, BaseException) or not a["ok"]]
-            if failed:
-                first = min(failed, key=lambda a: 0 if isinstance(a, BaseException) else APPLY_STEPS.index(a["step"]))
-                if isinstance(first, BaseException):
-                    raise first
-                step = first["step"]
-                raise _StepFailed(first["error"])
-            # Every engine holds the new weights under the new label: from here the refit rolls
-            # forward. A commit only releases the backup; one that fails is reported, not undone.
-            step = "commit"
-            aborted_after = await self._commit_and_resume(view, timeout, report, resumed)
-            report.resume_s += label_s
-            self.weight_version = version
-            self._version_history.append(version)
-            report.ok = True
-        except BaseException as exc:  # noqa: BLE001 - every failure must end in a consistent, resumed state
-            report.failed_step = step
-            report.error = str(exc) if isinstance(exc, _StepFailed) else short_error(exc)
-            logger.warning("refit to %s failed at %s: %s", version, step, report.error)
-
-            def undo(slot: int) -> tuple[bool, bool] | None:
-                """(roll the load back, restore the label) for one engine, from how far it got; None:
-                unknown (its apply call raised: it died, or answered nothing within every step's
-                deadline and may still be loading): it must not serve again, the fleet replaces it."""
-                if not applying:
-                    return False, False
-                if slot not in reached:  # (a dead one is in report.engines_lost, left out)
-                    return None
-                return reached[slot] is not None, reached[slot] in ("load", "label")
-
-            report.rolled_back = await self._recover(view, previous, undo, timeout, report)
-        finally:
-            left = [e for e in paused if id(e) not in resumed]
-            if left:
-                await self._resume(left, timeout, report)
-            report.total_s = time.perf_counter() - t_start
-        if aborted_after is None:  # a failure path: counted again on the engines counted before
-            aborted_after = await self._sum([e for e in engines if id(e) in aborted_before], "num_aborted", timeout)
-        report.requests_aborted = max(0, aborted_after - sum(aborted_before.values()))
-        if report.engines_lost:
-            lost = ", ".join(map(str, report.engines_lost))
-            report.error = "; ".join(filter(None, [f"engine slot(s) {lost} died during the refit (the fleet replaces them)",
-                                                   report.error]))
-        return report
-
-    async def _lost(self, m: Member, exc: BaseException, timeout: float, report) -> None:
-        """An engine died during the refit: reported (the fleet replaces it on the current version)."""
-        report.engines_lost.append(m.slot)
-        try:  # the fleet's monitor finds the engine anyway
-            await asyncio.wait_for(self.fleet.report_failure.remote(
-                m.slot, m.generation, f"{type(exc).__name__}: during a refit", is_actor_dead(exc)), timeout)
-        except Exception:
-            pass
-
     async def _end_bracket(self, committed: str | None, path: str | None, timeout: float) -> None:
         """Tell the fleet the refit is over (and what it committed). A fleet that is restarting
         (killed mid-refit) is asked again until it answers, for at most ``timeout``: its durable
@@ -461,127 +287,11 @@ class RefitController(NcclRounds, RestartRecovery):
                     self._fleet = None  # killed for good: looked up (or created) by name again
                 await asyncio.sleep(0.5)
 
-    async def _commit_and_resume(self, view: FleetView, timeout, report, resumed: set[int]) -> int | None:
-        """Release every engine's backup of the previous weights and resume it (one call each). Past
-        the point of no return: an engine whose commit fails still serves the new weights under the
-        new label (its stale backup is released by its next load); one that died is replaced by the
-        fleet on the new version; one whose resume fails is resumed by the fleet
-        (``fleet.resume_unbracketed_pause_s``). Returns the aborted count after, if every engine
-        answered."""
-        t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *[asyncio.wait_for(self._control.call(m, "refit_commit_resume", timeout), 2 * timeout) for m in view.members],
-            return_exceptions=True)
-        report.resume_s = time.perf_counter() - t0
-        commit_errors, resume_errors = [], []
-        aborted = 0
-        for m, r in zip(view.members, results):
-            if isinstance(r, BaseException):
-                if is_engine_death(r):
-                    await self._lost(m, r, timeout, report)
-                else:  # stalled: neither its commit nor its resume is known; the fleet's probes decide
-                    report.commit_failed.append(m.slot)
-                    commit_errors.append(f"engine slot {m.slot}: {short_error(r)}")
-                resumed.add(id(m.handle))  # a second resume of a dead or stalled engine would only wait
-                aborted = None
-                continue
-            resumed.add(id(m.handle))
-            if aborted is not None:
-                aborted += r["aborted"]
-            if r["commit_error"]:
-                report.commit_failed.append(m.slot)
-                commit_errors.append(f"engine slot {m.slot}: {r['commit_error']}")
-            if r["resume_error"]:
-                resume_errors.append(f"engine slot {m.slot}: {r['resume_error']}")
-        if commit_errors:
-            report.error = "commit failed (rolled forward: every engine holds the new weights): " + "; ".join(commit_errors)
-            logger.warning("refit to %s: %s", report.version, report.error)
-        if resume_errors:
-            # Not a reason to undo anything: a committed refit stays committed.
-            report.error = (report.error + "; " if report.error else "") + (
-                "resume failed (the fleet resumes the engine): " + "; ".join(resume_errors))[:600]
-        return aborted
-
-    async def _recover(self, view: FleetView, previous, undo, timeout, report) -> bool:
-        """Back to the previous weights and label on every surviving engine, as far as each got
-        (``undo(slot)``: roll the load back, restore the label). An engine that died needs nothing
-        (its replacement loads the fleet's current version); one that is alive but cannot be
-        restored must not serve a half-loaded model: it is handed to the fleet to be killed and
-        replaced (its in-flight calls fail over), never left paused."""
-        broken: list[str] = []
-        unrestorable: list[Member] = []
-        rolled: list[bool] = []
-        lost = set(report.engines_lost)
-
-        async def one(m: Member):
-            e = m.handle
-            plan = undo(m.slot)
-            if plan is None:
-                broken.append(f"engine slot {m.slot}: its state after the failed apply is unknown")
-                unrestorable.append(m)
-                return
-            rollback, relabel = plan
-            try:
-                if rollback:
-                    await asyncio.wait_for(e.collective_rpc.remote("rs_rollback", timeout=timeout), timeout)
-                    rolled.append(True)
-                else:
-                    await asyncio.wait_for(e.collective_rpc.remote("rs_discard_staged", timeout=timeout), timeout)
-                if relabel:
-                    await asyncio.wait_for(e.set_weight_version.remote(previous), timeout)
-            except Exception as exc:
-                if is_engine_death(exc):
-                    await self._lost(m, exc, timeout, report)
-                    return
-                broken.append(f"engine slot {m.slot}: {short_error(exc)}")
-                unrestorable.append(m)
-
-        await asyncio.gather(*[one(m) for m in view.members if m.slot not in lost])
-        for m in unrestorable:
-            try:
-                await asyncio.wait_for(self.fleet.mark_dead.remote(
-                    m.slot, m.generation, f"not restorable after a failed refit: {report.error}"), timeout)
-            except Exception as exc:  # the fleet's probes find it (it stays paused, never resumed here)
-                logger.warning("could not hand engine slot %d to the fleet: %s", m.slot, short_error(exc))
-        self._unrestorable = [m.handle for m in unrestorable]
-        if broken:
-            report.error = f"{report.error}; rollback failed, replaced by the fleet: {'; '.join(broken)}"
-        return bool(rolled) and not broken
-
-    async def _resume(self, paused, timeout, report) -> None:
-        keep_paused = set(map(id, getattr(self, "_unrestorable", [])))
-        self._unrestorable = []
-        t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *[asyncio.wait_for(e.resume.remote(), timeout) for e in paused if id(e) not in keep_paused],
-            return_exceptions=True,
-        )
-        errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException) and not is_engine_death(r)]
-        if errors:
-            # Not a reason to undo anything: a committed refit stays committed (the fleet resumes an
-            # engine left paused outside a refit after fleet.resume_unbracketed_pause_s).
-            report.error = (report.error + "; " if report.error else "") + (
-                "resume failed (the fleet resumes the engine): " + "; ".join(errors))[:600]
-        report.resume_s += time.perf_counter() - t0
-
-    @staticmethod
-    async def _sum(engines, method: str, timeout: float) -> int:
-        """Sum over the engines that answer within ``timeout`` (a dead or stalled one counts 0: the
-        refit notices it elsewhere)."""
-        values = await asyncio.gather(*[asyncio.wait_for(getattr(e, method).remote(), timeout) for e in engines],
-                                      return_exceptions=True)
-        return int(sum(v for v in values if isinstance(v, int)))
-
     async def shutdown(self) -> None:
         """Nothing to stop but its control connections: the engines belong to the fleet
         (``EngineFleet.shutdown``)."""
         self._weight_sync = None
         self._control.close()
-
-
-def _overall(step_timeout: float) -> float:
-    """A refit is four steps, each under its own timeout, plus a rollback in the worst case."""
-    return 6 * step_timeout + 30
 
 
 def controller_name(instance_name: str) -> str:

@@ -18,10 +18,10 @@ from rollout_service.refit.types import short_error
 logger = logging.getLogger("rollout_service.refit.controller")
 
 
-class RestartRecovery:
+class AbandonedRefitRecovery:
     config: RolloutServiceConfig
 
-    def _recover_at_once(self) -> None:
+    def _end_abandoned_refit_soon(self) -> None:
         """Called by a restarted incarnation's constructor (in the actor's event loop): end the
         abandoned refit now, not at the first call, so engines a dead refit left paused serve again
         within seconds. Retried with a growing pause while the fleet cannot be reached; the first
@@ -40,12 +40,12 @@ class RestartRecovery:
                     await asyncio.sleep(pause)
                     pause = min(pause * 2, self.config.refit.step_timeout_s)
 
-        self._recovery_task = asyncio.get_running_loop().create_task(run())
+        self._abandoned_refit_task = asyncio.get_running_loop().create_task(run())
 
     async def _after_restart(self) -> None:
         if not self._reconstructed:
             return
-        async with self._recover_lock:
+        async with self._abandoned_refit_lock:
             if self._reconstructed:
                 self.recovered = await self._end_abandoned_refit()
                 self._reconstructed = False

@@ -1,0 +1,44 @@
+"""How a trainer reads its rollouts: straight from the service's rollout store (a data read, not
+the control plane's business). The refit controller only says where the store is
+(:meth:`RolloutReads.store_config`, a mixin of
+:class:`~rollout_service.refit.controller.RefitController`); the trainer's client reads the
+trajectory there (:func:`read_trajectory`, behind ``TrainerClient.get_rollout``). Imports neither
+vLLM nor Ray.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the trainer's client imports this module: no config (pydantic) at import time
+    from rollout_service.config import RolloutServiceConfig
+
+
+class RolloutReads:
+    config: RolloutServiceConfig
+
+    def store_config(self) -> dict[str, Any]:
+        """Where rollouts are stored (trainers read trajectories there: ``TrainerClient.get_rollout``)."""
+        store = self.config.store.model_copy()
+        store.redis_url = os.environ.get("ROLLOUT_SERVICE_REDIS_URL") or store.redis_url
+        if not store.redis_url:
+            raise RuntimeError("store.redis_url is not configured")
+        return store.model_dump()
+
+
+async def read_trajectory(store_config: dict, rollout_id: str) -> dict[str, Any] | None:
+    """The ``GET /v1/rollouts/{id}`` document of one rollout, read from the store ``store_config``
+    names (:meth:`RolloutReads.store_config`); None if it is unknown."""
+    from rollout_service.config import StoreConfig
+    from rollout_service.onpolicy.trajectory import trajectory_export
+    from rollout_service.store.base import validate_rollout_id
+    from rollout_service.store.redis_store import RedisRolloutStore
+
+    validate_rollout_id(rollout_id)
+    store = RedisRolloutStore.from_config(StoreConfig.model_validate(store_config))
+    try:
+        state = await store.load(rollout_id)
+    finally:
+        await store.close()
+    return None if state is None else trajectory_export(state)
