@@ -128,3 +128,28 @@ def test_a_stop_string_completed_by_a_later_chunk_after_the_seam(tiny_tokenizer)
     cut = seams.feed(_chunk(_ids(tok, "D> trailing words")))
     assert cut.finish_reason == "stop" and cut.stop_reason == "<END>"
     assert "<END>" in tok.decode(seams.ids) and "<END>" not in tok.decode(seams.ids[:-1])
+
+
+def test_kv_versions_follow_the_resets_a_refit_and_a_seam_make():
+    from rollout_service.engine.types import kv_spans
+
+    # A refit that kept the KV: v2's ids attended to v1's KV.
+    assert kv_spans([("v1", 0, 3), ("v2", 3, 6)], []) == [("v1", 0, 3, "v1"), ("v2", 3, 6, "v1")]
+    # One that cleared it (recomputed at resume, reset at v2's first id): pure again; a later refit
+    # that kept it: v3 over v2's KV.
+    assert kv_spans([("v1", 0, 3), ("v2", 3, 6), ("v3", 6, 8)], [3]) == [
+        ("v1", 0, 3, "v1"), ("v2", 3, 6, "v2"), ("v3", 6, 8, "v2")]
+    # A reset inside a span splits it; None (an engine that keeps no record) is no reset.
+    assert kv_spans([("v1", 0, 2), ("v2", 2, 6)], [4]) == [("v1", 0, 2, "v1"), ("v2", 2, 4, "v1"), ("v2", 4, 6, "v2")]
+    assert kv_spans([("v1", 0, 4)], None) == [("v1", 0, 4, "v1")]
+    # A migration: the next engine prefills prompt + ids anew, so the seam is a reset even where
+    # the version does not change; the engine's own resets are shifted past the seam.
+    p = Progress(_req())
+    p.take(GenerationChunk(token_ids=[10, 11], logprobs=[-1, -1], weight_versions=[("v1", 0, 1), ("v2", 1, 2)],
+                           kv_resets=[]))
+    p.continuation()
+    out = p.take(GenerationChunk(token_ids=[12, 13, 14], logprobs=[-1] * 3, weight_versions=[("v2", 0, 1), ("v3", 1, 3)],
+                                 kv_resets=[1], finish_reason="length"))
+    assert out.weight_versions == [("v1", 0, 1), ("v2", 1, 3), ("v3", 3, 5)] and out.kv_resets == [2, 3]
+    assert kv_spans(out.weight_versions, out.kv_resets) == [
+        ("v1", 0, 1, "v1"), ("v2", 1, 2, "v1"), ("v2", 2, 3, "v2"), ("v3", 3, 5, "v3")]

@@ -61,7 +61,7 @@ class DataPlane:
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
             "message": copy.deepcopy(assistant),
-            "weight_versions": [{"version": v, "start": s, "end": e} for v, s, e in spans],
+            "weight_versions": [{"version": v, "start": s, "end": e, "kv_version": v} for v, s, e in spans],
             "rollout": {"id": self.state.rollout_id, "turn": delta.turn, "segment": delta.segment_index,
                         "monotonic": plan.monotonic, "constrained": False},
             "usage": {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(gen_ids),

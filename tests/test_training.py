@@ -19,7 +19,7 @@ from rollout_service.training import collate, group_advantages, rows_from_trajec
 from synthetic_rollouts import synthetic_rollout
 
 
-def _trajectory(turns_per_segment=(2, 1), seed=0, refit_in_turn=None, constrained_turn=None) -> dict:
+def _trajectory(turns_per_segment=(2, 1), seed=0, refit_in_turn=None, constrained_turn=None, kept_kv=False) -> dict:
     _, state = synthetic_rollout(random.Random(seed), list(turns_per_segment), weight_version="v1")
     state.rollout_id = "r-1"
     if refit_in_turn is not None:  # a refit landed in the middle of this turn's generation
@@ -27,7 +27,8 @@ def _trajectory(turns_per_segment=(2, 1), seed=0, refit_in_turn=None, constraine
             for t in seg.turns:
                 if t.turn == refit_in_turn:
                     mid = (t.gen_start + t.gen_end) // 2
-                    t.weight_versions = [WeightSpan("v1", t.gen_start, mid), WeightSpan("v2", mid, t.gen_end)]
+                    t.weight_versions = [WeightSpan("v1", t.gen_start, mid),
+                                         WeightSpan("v2", mid, t.gen_end, "v1" if kept_kv else None)]
                 elif t.turn > refit_in_turn:
                     t.weight_versions = [WeightSpan("v2", t.gen_start, t.gen_end)]
     if constrained_turn is not None:
@@ -123,6 +124,32 @@ def test_diagnostics_by_hand():
     assert d.lag_mean == pytest.approx(len(stale) / len(trained)) and d.lag_max == 1
     with pytest.raises(ValueError, match="version_order"):
         step_diagnostics([row], [before], trainer_version="v2", version_order=["v2"])
+
+
+def test_tokens_sampled_over_kept_kv_are_their_own_class():
+    """A refit inside turn 2 that kept the KV: its v2 tokens attended to v1's KV (kv_version v1),
+    so they are neither current nor stale but mixed; the later turn's v2 tokens are pure."""
+    traj = _trajectory((2, 1), refit_in_turn=2, kept_kv=True)
+    spans = [w for seg in traj["segments"] for w in seg["weight_versions"]]
+    assert all(set(w) == {"version", "start", "end", "kv_version"} for w in spans)
+    assert [(w["version"], w["kv_version"]) for w in spans].count(("v2", "v1")) == 1
+    rows = rows_from_trajectory(traj)
+    mixed = [(k, i) for k, r in enumerate(rows) for i, m in enumerate(r.loss_mask)
+             if m and r.versions[i] == "v2" and r.kv_versions[i] == "v1"]
+    pure = [(k, i) for k, r in enumerate(rows) for i, m in enumerate(r.loss_mask)
+            if m and r.versions[i] == "v2" and r.kv_versions[i] == "v2"]
+    assert mixed and pure
+    before = [list(r.behaviour_logprobs) for r in rows]
+    for k, i in mixed:
+        before[k][i] += 2e-3
+    d = step_diagnostics(rows, before, trainer_version="v2", version_order=["v1", "v2"])
+    assert (d.tokens_current, d.tokens_mixed) == (len(pure), len(mixed))
+    assert d.tokens == d.tokens_current + d.tokens_stale + d.tokens_mixed
+    assert d.ratio_dev_e4_current == 0.0 and d.ratio_dev_e4_mixed == pytest.approx((math.exp(2e-3) - 1) * 1e4)
+    # Without kv_versions (rows built by hand): every token counts by its version alone.
+    for r in rows:
+        r.kv_versions = []
+    assert step_diagnostics(rows, before, trainer_version="v2", version_order=["v1", "v2"]).tokens_mixed == 0
 
 
 def test_a_real_trajectorys_rows_match_a_float32_forward_of_the_same_weights(service, tiny_model_dir):

@@ -57,9 +57,9 @@ from rollout_service.training import (  # noqa: E402
 
 # weight_version: the version the step's refit published; trainer_version: the one the step's
 # diagnostics compare against (the trainer's weights before the step).
-COLUMNS = ["step", "reward_mean", "ratio_dev_e4_current", "ratio_dev_e4_stale", "kl_k3", "clip_rate", "entropy",
+COLUMNS = ["step", "reward_mean", "ratio_dev_e4_current", "ratio_dev_e4_stale", "ratio_dev_e4_mixed", "kl_k3", "clip_rate", "entropy",
            "lag_mean", "lag_max", "refit_stall_s", "weight_version", "trainer_version", "tokens", "tokens_current",
-           "tokens_stale", "loss", "wall_s", "correction", "tis_clipped", "mis_masked", "icepop_masked"]
+           "tokens_stale", "tokens_mixed", "loss", "wall_s", "correction", "tis_clipped", "mis_masked", "icepop_masked"]
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
 

@@ -42,6 +42,10 @@ class EngineReplica(RefitSteps, Scoring):
         self._in_flight: dict[str, int] = {}
         self._in_flight_started_on: dict[str, str] = {}  # request id -> weight version at its start
         self._in_flight_rollout: dict[str, str] = {}  # request id -> its rollout (abort_rollout)
+        # Request id -> versions whose first id it sampled over KV recomputed whole at a refit that
+        # cleared the cache (GenerationChunk.kv_resets); the pause that cleared it: (version, request ids).
+        self._kv_reset_versions: dict[str, set[str]] = {}
+        self._kv_cleared: tuple[str, set[str]] | None = None
         self._num_aborted = 0  # generations that ended with finish_reason "abort"
         self._paused = False  # as last set by pause / resume (health must not ask the busy engine core)
         self._startup_s: float | None = None
@@ -237,6 +241,9 @@ class EngineReplica(RefitSteps, Scoring):
                     chunk.finish_reason = comp.finish_reason
                     chunk.stop_reason = comp.stop_reason
                     chunk.weight_versions = [(s.version, s.start, s.end) for s in (comp.weight_versions or [])]
+                if chunk.weight_versions is not None:
+                    chunk.kv_resets = _reset_positions(chunk.weight_versions,
+                                                       self._kv_reset_versions.get(request.request_id))
                     chunk.num_cached_tokens = getattr(out, "num_cached_tokens", None)
                     if comp.finish_reason == "abort":
                         self._num_aborted += 1
@@ -246,6 +253,7 @@ class EngineReplica(RefitSteps, Scoring):
             self._in_flight.pop(request.request_id, None)
             self._in_flight_started_on.pop(request.request_id, None)
             self._in_flight_rollout.pop(request.request_id, None)
+            self._kv_reset_versions.pop(request.request_id, None)
             if not finished:
                 await llm.abort(request.request_id)
 
@@ -273,6 +281,8 @@ class EngineReplica(RefitSteps, Scoring):
             raise ValueError(f"pause mode must be keep, wait or abort, got {mode!r}")
         t0 = time.perf_counter()
         llm = self._engine()
+        if clear_cache:  # in-flight requests are preempted: their KV is recomputed whole at resume
+            self._kv_cleared = (self._version, set(self._in_flight))
         core = getattr(llm, "engine_core", None)
         if hasattr(core, "pause_scheduler_async"):
             # AsyncLLM.pause_generation without its trailing asyncio.sleep(0.02), which vLLM documents
@@ -291,6 +301,12 @@ class EngineReplica(RefitSteps, Scoring):
         t0 = time.perf_counter()
         await self._engine().resume_generation()
         self._paused = False
+        cleared, self._kv_cleared = self._kv_cleared, None
+        if cleared is not None and cleared[0] != self._version:
+            # Recomputed by the new weights: from the first id of this version on, the KV is pure. (A
+            # refit that failed leaves the version as it was: nothing recorded, the conservative side.)
+            for rid in cleared[1] & self._in_flight.keys():
+                self._kv_reset_versions.setdefault(rid, set()).add(self._version)
         return time.perf_counter() - t0
 
     async def is_paused(self) -> bool:
@@ -494,3 +510,15 @@ def _spans_so_far(llm, request_id: str, n: int) -> list[tuple[str, int, int]] | 
         return None
     ends = [start for _, start in starts[1:]] + [n]
     return spans_up_to([(v, s, e) for (v, s), e in zip(starts, ends)], n)
+
+
+def _reset_positions(spans, versions: set[str] | None) -> list[int]:
+    """Where the KV was recomputed whole: the first id of each version in ``versions``."""
+    if not versions:
+        return []
+    out, seen = [], set()
+    for v, s, _ in spans:
+        if v in versions and v not in seen:
+            seen.add(v)
+            out.append(s)
+    return out

@@ -46,6 +46,10 @@ class GenerationChunk:
     engine_index: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (final chunk)
     migrations: int = 0
+    # Positions (generated-id offsets, over every id so far, with ``weight_versions``) from which the
+    # request's whole KV cache had been recomputed: at a refit that cleared the cache
+    # (``refit.clear_cache``) and at a migration's seam. Position 0 is implied. None: no such record.
+    kv_resets: list[int] | None = None
 
     @staticmethod
     def concat(chunks: list["GenerationChunk"]) -> "GenerationChunk":
@@ -91,6 +95,27 @@ class ScoreResult:
 def spans_up_to(spans, n: int) -> list[tuple[str, int, int]]:
     """``(version, start, end)`` spans cut to the first ``n`` generated ids."""
     return [(v, s, min(e, n)) for v, s, e in spans if s < n]
+
+
+def kv_spans(spans, resets) -> list[tuple[str, int, int, str]]:
+    """``(version, start, end, kv_version)``: each span of sampling versions with the oldest version
+    whose KV its ids attended to. The KV is the first id's version's from position 0 and from every
+    reset position (``GenerationChunk.kv_resets``: recomputed whole there, by the weights of the id
+    sampled there); in between, a refit that kept the KV adds newer weights over the older KV, so
+    the KV version stays the one of the last reset. Spans are split at resets inside them."""
+    cuts = {int(r) for r in resets or ()} | {0}
+    out: list[tuple[str, int, int, str]] = []
+    kv: str | None = None
+    for v, s, e in spans:
+        points = [s, *sorted(c for c in cuts if s < c < e), e]
+        for a, b in zip(points, points[1:]):
+            if kv is None or a in cuts:
+                kv = v
+            if out and out[-1][0] == v and out[-1][3] == kv and out[-1][2] == a:
+                out[-1] = (v, out[-1][1], b, kv)
+            elif b > a:
+                out.append((v, a, b, kv))
+    return out
 
 
 class EngineUnavailable(RuntimeError):

@@ -59,6 +59,10 @@ class Progress:
     offset: int = 0  # ids generated on the engines left behind
     current: list[tuple[str, int, int]] = field(default_factory=list)  # this engine's, relative to offset
     migrations: int = 0
+    # KV resets (GenerationChunk.kv_resets) of the engines left behind, each seam included (the next
+    # engine prefills prompt + ids anew), and this engine's, relative to offset.
+    resets: list[int] = field(default_factory=list)
+    current_resets: list[int] = field(default_factory=list)
     finished: bool = False
     labelled_only: bool = False  # a chunk came without spans: its ids' versions are not known exactly
 
@@ -66,6 +70,8 @@ class Progress:
         """Record ``chunk`` and return it as the caller must see it."""
         before = len(self.ids) - self.offset
         self.ids += chunk.token_ids
+        if chunk.kv_resets is not None:
+            self.current_resets = list(chunk.kv_resets)
         if chunk.weight_versions is not None:
             self.current = [tuple(span) for span in chunk.weight_versions]
         elif chunk.token_ids:  # an engine that labels its chunks only: the version it had when it sent them
@@ -76,7 +82,10 @@ class Progress:
         if not self.migrations:
             return chunk
         return replace(chunk, num_prompt_tokens=len(self.request.prompt_ids), migrations=self.migrations,
-                       weight_versions=self.all_spans())
+                       weight_versions=self.all_spans(), kv_resets=self.all_resets())
+
+    def all_resets(self) -> list[int]:
+        return [*self.resets, *(r + self.offset for r in self.current_resets)]
 
     def all_spans(self) -> list[tuple[str, int, int]]:
         return merge_spans([*self.spans, *((v, s + self.offset, e + self.offset) for v, s, e in self.current)])
@@ -84,7 +93,8 @@ class Progress:
     def continuation(self) -> GenerateRequest | None:
         """The request that continues the generation on another engine (None: nothing is left to
         generate, the call ends with ``length``)."""
-        self.spans, self.offset, self.current = self.all_spans(), len(self.ids), []
+        self.spans, self.resets = self.all_spans(), [*self.all_resets(), len(self.ids)]
+        self.offset, self.current, self.current_resets = len(self.ids), [], []
         self.migrations += 1
         left = self.request.max_tokens - len(self.ids)
         if left <= 0:
@@ -96,7 +106,7 @@ class Progress:
     def length_end(self, engine_index: int) -> GenerationChunk:
         """The final chunk of a call whose engine died right after its last allowed id."""
         return GenerationChunk(token_ids=[], logprobs=[], top_logprobs=[] if self.request.sampling.top_logprobs else None,
-                               finish_reason="length", weight_versions=self.all_spans(),
+                               finish_reason="length", weight_versions=self.all_spans(), kv_resets=self.all_resets(),
                                weight_version=self.spans[-1][0] if self.spans else None,
                                num_prompt_tokens=len(self.request.prompt_ids), engine_index=engine_index,
                                migrations=self.migrations)

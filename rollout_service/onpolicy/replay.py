@@ -86,7 +86,7 @@ class ReplayedTurn:
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
             "message": copy.deepcopy(self.message),
-            "weight_versions": [{"version": w.version, "start": w.start, "end": w.end} for w in self.weight_versions],
+            "weight_versions": [w.to_dict() for w in self.weight_versions],
             "rollout": self.rollout,
             "usage": dict(self.usage),
         }
@@ -124,7 +124,8 @@ def replay_turn(state: RolloutState, turn_number: int) -> ReplayedTurn:
         prompt_token_ids=prompt,
         generation_token_ids=gen,
         generation_log_probs=seg.logprobs[rec.gen_start : rec.gen_end],
-        weight_versions=[WeightSpan(w.version, w.start - rec.gen_start, w.end - rec.gen_start) for w in rec.weight_versions],
+        weight_versions=[WeightSpan(w.version, w.start - rec.gen_start, w.end - rec.gen_start, w.kv_version)
+                         for w in rec.weight_versions],
         finish_reason=rec.finish_reason,
         stop_reason=rec.answer.get("stop_reason"),
         message=copy.deepcopy(rec.answer["message"]),

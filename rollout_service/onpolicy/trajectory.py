@@ -11,18 +11,15 @@ def trajectory_export(state: RolloutState) -> dict[str, Any]:
     """The trainer's view: per segment exact ids, loss mask, logprobs, versions, turn boundaries."""
     segments = []
     for i, seg in enumerate(state.segments):
-        spans = [
-            {"version": w.version, "start": w.start, "end": w.end}
-            for t in seg.turns
-            for w in t.weight_versions
-        ]
+        spans = [w.to_dict() for t in seg.turns for w in t.weight_versions]
         segments.append({
             "index": i,
             "token_ids": list(seg.token_ids),
             "loss_mask": list(seg.loss_mask),
             "logprobs": list(seg.logprobs),
             "weight_versions": spans,
-            "turns": [{**t.to_dict(), "constrained": t.constrained, "migrations": t.migrations} for t in seg.turns],
+            "turns": [{**t.to_dict(), "weight_versions": [w.to_dict() for w in t.weight_versions],
+                       "constrained": t.constrained, "migrations": t.migrations} for t in seg.turns],
             "num_messages": len(seg.messages),
         })
     out = {"id": state.rollout_id, "object": "rollout", "turns": state.turn, "segments": segments}

@@ -176,9 +176,10 @@ def _span(w: Any) -> WeightSpan:
     if isinstance(w, WeightSpan):
         return w
     if isinstance(w, dict):
-        return WeightSpan(str(w["version"]), int(w["start"]), int(w["end"]))
-    version, start, end = w
-    return WeightSpan(str(version), int(start), int(end))
+        kv = w.get("kv_version")
+        return WeightSpan(str(w["version"]), int(w["start"]), int(w["end"]), None if kv is None else str(kv))
+    version, start, end, *kv = w
+    return WeightSpan(str(version), int(start), int(end), str(kv[0]) if kv and kv[0] is not None else None)
 
 
 def finish_turn(
@@ -216,7 +217,7 @@ def finish_turn(
         s = _span(w)
         if not (0 <= s.start <= s.end <= len(gen_ids)):
             raise ValueError(f"weight span {s} outside the generation of {len(gen_ids)} ids")
-        spans.append(WeightSpan(s.version, s.start + gen_start, s.end + gen_start))
+        spans.append(WeightSpan(s.version, s.start + gen_start, s.end + gen_start, None if s.pure else s.kv_version))
     record = TurnRecord(
         turn=turn_now + 1,
         prompt_start=start,

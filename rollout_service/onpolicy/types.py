@@ -16,11 +16,25 @@ from typing import Any
 
 @dataclass
 class WeightSpan:
-    """Generated tokens ``[start, end)`` (segment offsets) were sampled under weight ``version``."""
+    """Generated tokens ``[start, end)`` (segment offsets) were sampled under weight ``version``,
+    attending to KV cache of which the oldest part was computed by ``kv_version``'s weights (None:
+    ``version`` itself, the KV is pure). A request in flight at a refit that keeps the KV
+    (``refit.clear_cache: false``) samples its later tokens with the new weights over KV of the old:
+    ``version`` new, ``kv_version`` old — mixed, not exactly either policy."""
 
     version: str
     start: int
     end: int
+    kv_version: str | None = None
+
+    @property
+    def pure(self) -> bool:
+        return self.kv_version is None or self.kv_version == self.version
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: ``kv_version`` always given (equal to ``version`` when pure)."""
+        return {"version": self.version, "start": self.start, "end": self.end,
+                "kv_version": self.version if self.kv_version is None else self.kv_version}
 
 
 @dataclass
@@ -61,7 +75,7 @@ class TurnRecord:
             "gen_end": self.gen_end,
             "finish_reason": self.finish_reason,
             "monotonic": self.monotonic,
-            "weight_versions": [asdict(w) for w in self.weight_versions],
+            "weight_versions": [_stored_span(w) for w in self.weight_versions],
         }
         if self.request_digest is not None:
             d["request_digest"] = self.request_digest
@@ -82,6 +96,14 @@ class TurnRecord:
         d = {k: v for k, v in d.items() if k in _RECORD_FIELDS}
         d["weight_versions"] = [WeightSpan(**w) for w in d.get("weight_versions", [])]
         return cls(**d)
+
+
+def _stored_span(w: WeightSpan) -> dict[str, Any]:
+    """A span as stored: ``kv_version`` only when it differs (records of pure spans unchanged)."""
+    d = {"version": w.version, "start": w.start, "end": w.end}
+    if not w.pure:
+        d["kv_version"] = w.kv_version
+    return d
 
 
 _RECORD_FIELDS = frozenset(f.name for f in fields(TurnRecord))

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 
 from rollout_service.canary.canary import Canary, Generation
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.engine.types import GenerateRequest
+from rollout_service.engine.types import GenerateRequest, kv_spans
 from rollout_service.engine.sampling import SamplingOptions, SamplingParamsError
 from rollout_service.metrics import get_metrics
 from rollout_service.fleet.client import FleetClient
@@ -397,7 +397,8 @@ class TurnRunner(RolloutReads, RolloutSteering):
                    else self._parse(ids, req, plan.prompt_ids, parse_tools, json_forced, reasoning_parser))
         if message.get("tool_calls") and finish_reason == "stop":
             finish_reason = "tool_calls"
-        spans = [WeightSpan(v, s, e) for v, s, e in (final_chunk.weight_versions or [])]
+        spans = [WeightSpan(v, s, e, None if kv == v else kv)
+                 for v, s, e, kv in kv_spans(final_chunk.weight_versions or [], final_chunk.kv_resets)]
         try:
             delta = finish_turn(state if state is not None else RolloutState(rollout_id), plan, gen_ids=ids, logprobs=lps,
                                 finish_reason=finish_reason, weight_versions=spans, assistant_message=message)
@@ -415,7 +416,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
         yield TurnResult(
             prompt_token_ids=plan.prompt_ids, generation_token_ids=ids, generation_log_probs=lps,
             top_logprobs=tops or None, finish_reason=finish_reason, stop_reason=final_chunk.stop_reason, message=message,
-            weight_versions=[{"version": v, "start": s, "end": e} for v, s, e in (final_chunk.weight_versions or [])],
+            weight_versions=[w.to_dict() for w in spans],
             rollout={"id": rollout_id, "turn": delta.turn, "segment": delta.segment_index, "monotonic": plan.monotonic,
                      "constrained": constrained, "replayed": False,
                      **({"engine_moved": True} if any(r.moved for r in routed) else {}),
@@ -477,7 +478,8 @@ class TurnRunner(RolloutReads, RolloutSteering):
             prompt_token_ids=ids_in, generation_token_ids=ids, generation_log_probs=lps, top_logprobs=tops or None,
             finish_reason=final.finish_reason or "stop", stop_reason=final.stop_reason, message={},
             text=self.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens),
-            weight_versions=[{"version": v, "start": s, "end": e} for v, s, e in (final.weight_versions or [])],
+            weight_versions=[{"version": v, "start": s, "end": e, "kv_version": kv}
+                             for v, s, e, kv in kv_spans(final.weight_versions or [], final.kv_resets)],
             engine_index=final.engine_index, token_strs=self.token_strs(ids, tops) if call.want_token_strs else None,
         )
 

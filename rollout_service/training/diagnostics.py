@@ -8,6 +8,9 @@ step's rows (``loss_mask`` 1):
   raw logprobs at a temperature ≠ 1 do not.
 - ``ratio_dev_e4_stale``: the same over tokens sampled by older versions (asynchronous RL: the
   policy moved on; this is the off-policyness the loss must correct for, not a mismatch).
+- ``ratio_dev_e4_mixed``: the same over tokens sampled by the trainer's version over KV cache an
+  older version computed (``kv_versions``: a refit landed mid-generation and kept the KV). Not
+  counted as current: the engine's distribution there is neither policy, so its ratio is not 1.
 - ``kl_k3``: Schulman's k3 estimator, mean of (r − 1 − log r) with r = π_new / π_old on the
   sampled tokens (π_old: the trainer's logprobs before the step, π_new: after it). The tokens were
   sampled by (close to) π_old, so it estimates KL(π_old ‖ π_new), equal to KL(π_new ‖ π_old) to
@@ -36,6 +39,8 @@ class StepDiagnostics:
     tokens_stale: int
     ratio_dev_e4_current: float
     ratio_dev_e4_stale: float
+    tokens_mixed: int
+    ratio_dev_e4_mixed: float
     kl_k3: float
     clip_rate: float
     entropy: float
@@ -65,7 +70,7 @@ def step_diagnostics(
     if trainer_version not in order:
         raise ValueError(f"trainer version {trainer_version!r} is not in version_order")
     now = order[trainer_version]
-    dev_cur, dev_stale, k3, clipped, ent, lags = [], [], [], [], [], []
+    dev_cur, dev_stale, dev_mixed, k3, clipped, ent, lags = [], [], [], [], [], [], []
     loss_logprobs = loss_logprobs if loss_logprobs is not None else trainer_logprobs
     for k, row in enumerate(rows):
         for i, m in enumerate(row.loss_mask):
@@ -76,7 +81,12 @@ def step_diagnostics(
                 raise ValueError(f"rollout {row.rollout_id!r}: token {i} has version {version!r}, not in version_order")
             behaviour = row.behaviour_logprobs[i]
             deviation = abs(math.exp(trainer_logprobs[k][i] - behaviour) - 1.0) * 1e4
-            (dev_cur if version == trainer_version else dev_stale).append(deviation)
+            if version != trainer_version:
+                dev_stale.append(deviation)
+            elif row.kv_version(i) not in (None, version):
+                dev_mixed.append(deviation)
+            else:
+                dev_cur.append(deviation)
             lags.append(now - order[version])
             if new_logprobs is not None:
                 log_r = new_logprobs[k][i] - trainer_logprobs[k][i]
@@ -90,6 +100,7 @@ def step_diagnostics(
 
     return StepDiagnostics(tokens=len(lags), tokens_current=len(dev_cur), tokens_stale=len(dev_stale),
                            ratio_dev_e4_current=mean(dev_cur), ratio_dev_e4_stale=mean(dev_stale),
+                           tokens_mixed=len(dev_mixed), ratio_dev_e4_mixed=mean(dev_mixed),
                            kl_k3=mean(k3), clip_rate=mean(clipped), entropy=mean(ent),
                            lag_mean=mean(lags), lag_max=max(lags, default=0))
 

@@ -11,6 +11,10 @@ history (``fork``) starts another. Each row carries, per token position:
   logprob: after temperature, top-k/p; 0.0 on prompt ids);
 - ``versions``: the weight version that sampled each generated id (None on prompt ids): the
   behaviour policy per token, which can change inside one turn when a refit lands mid-generation;
+- ``kv_versions``: the oldest version whose KV cache that id's sampling attended to (None on prompt
+  ids): equal to ``versions[i]`` when the KV is pure; older on a token sampled after a refit that
+  kept the KV (``refit.clear_cache: false``) — current weights over older KV, not exactly either
+  policy (``step_diagnostics`` counts them apart);
 - ``constrained``: 1 on ids sampled under a grammar (forced tool choice, ``response_format``),
   whose logprobs are renormalized over the allowed tokens (docs/trainer-integration.md).
 
@@ -47,6 +51,11 @@ class TrainingRow:
     versions: list[str | None]
     constrained: list[int]
     turns: list[TurnBounds] = field(default_factory=list)
+    kv_versions: list[str | None] = field(default_factory=list)  # [] from callers that built rows without it
+
+    def kv_version(self, i: int) -> str | None:
+        """Position ``i``'s KV version (its ``versions[i]`` when the row carries none)."""
+        return self.kv_versions[i] if self.kv_versions else self.versions[i]
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -71,6 +80,7 @@ def rows_from_trajectory(trajectory: dict[str, Any], *, include_constrained: boo
         if not (len(mask) == len(lps) == n):
             raise ValueError(f"{where}: token_ids, loss_mask and logprobs differ in length ({n}, {len(mask)}, {len(lps)})")
         versions: list[str | None] = [None] * n
+        kv_versions: list[str | None] = [None] * n
         for span in seg.get("weight_versions") or []:
             start, end = int(span["start"]), int(span["end"])
             if not 0 <= start <= end <= n:
@@ -79,6 +89,7 @@ def rows_from_trajectory(trajectory: dict[str, Any], *, include_constrained: boo
                 if versions[i] is not None:
                     raise ValueError(f"{where}: weight-version spans overlap at position {i}")
                 versions[i] = str(span["version"])
+                kv_versions[i] = str(span.get("kv_version") or span["version"])
         missing = [i for i in range(n) if mask[i] and versions[i] is None]
         if missing:
             raise ValueError(f"{where}: generated ids without a weight version (first at {missing[0]})")
@@ -97,7 +108,7 @@ def rows_from_trajectory(trajectory: dict[str, Any], *, include_constrained: boo
         loss = [m if include_constrained or not c else 0 for m, c in zip(mask, constrained)]
         rows.append(TrainingRow(rollout_id=trajectory.get("id"), segment=int(seg.get("index", len(rows))),
                                 input_ids=ids, loss_mask=loss, behaviour_logprobs=[float(x) for x in lps],
-                                versions=versions, constrained=constrained, turns=turns))
+                                versions=versions, constrained=constrained, turns=turns, kv_versions=kv_versions))
     return rows
 
 
