@@ -488,7 +488,9 @@ class RefitConfig(_Strict):
         "default of TrainerClient.init_weight_sync().",
     )
     clear_cache: bool = Field(
-        False, description="Drop KV cache on refit. False matches V0 in-flight updates (reference post)."
+        False, description="Drop KV cache on refit: in-flight requests are recomputed with the new weights at resume "
+        "(every token pure). False matches V0 in-flight updates (reference post): tokens sampled after the refit "
+        "attend to KV the old weights computed and carry kv_version = the old version in their spans (mixed)."
     )
     bucket_bytes: int = Field(
         256 * 1024 * 1024, ge=1024,

@@ -127,7 +127,7 @@ async def test_turns_whose_engine_dies_mid_generation_continue_on_the_other_engi
     streamed = [t for e in stream_events[:-1] for t in e["token_ids"]]
     assert streamed == gen and len(gen) == 160 and gen[: len(killed["at"])] == killed["at"]
     assert final["rollout"]["migrations"] == 1 and final["engine_index"] != victim.slot
-    assert final["weight_versions"] == [{"version": "mig-base", "start": 0, "end": 160}]
+    assert final["weight_versions"] == [{"version": "mig-base", "start": 0, "end": 160, "kv_version": "mig-base"}]
     state = await rig.store.load(rids["stream"])
     seg = state.segments[0]
     assert seg.token_ids == final["prompt_token_ids"] + gen and seg.turns[0].migrations == 1

@@ -73,19 +73,22 @@ async def test_http_rollouts_spanning_a_refit_carry_both_versions(service, train
             if len(spans) == 2:  # this request was mid-generation when the engines paused
                 spanned += 1
                 assert [s["version"] for s in spans] == [old, new], spans
+                # refit.clear_cache false (the default): the new weights' tokens attended to the old KV.
+                assert [s["kv_version"] for s in spans] == [old, old], spans
                 assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 700
                 assert 0 < spans[0]["end"] < 700
             else:
-                assert spans == [{"version": old, "start": 0, "end": 700}]
+                assert spans == [{"version": old, "start": 0, "end": 700, "kv_version": old}]
             traj = httpx.get(f"{service.url}/v1/rollouts/{rid}").json()
             assert trainer.get_rollout(rid) == traj  # the trainer reads the same trajectory via the handle
             seg = traj["segments"][0]
             offset = seg["turns"][0]["gen_start"]
             assert seg["weight_versions"] == [
-                {"version": s["version"], "start": s["start"] + offset, "end": s["end"] + offset} for s in spans
+                {**s, "start": s["start"] + offset, "end": s["end"] + offset} for s in spans
             ]
             (row,) = rows_from_trajectory(traj)  # the trainer's rows: each token's behaviour version
             assert row.versions[offset:offset + 700] == [s["version"] for s in spans for _ in range(s["end"] - s["start"])]
+            assert row.kv_versions[offset:offset + 700] == [old] * 700
         assert spanned >= 1 and spanned == report["requests_in_flight"]
         stats = trainer.stats()
         assert stats["weight_version"] == new

@@ -18,7 +18,8 @@ orchestrator or the trainer):
   that refit); a directory loaded before and replaced since: loaded again as ``<label>~2``.
 - ``POST /pause``, ``POST /resume``: 200, nothing to do. The refit pauses every engine in keep mode
   and resumes it itself; tokens generated between prime-rl's pause and the refit carry the weights
-  that made them (per-token weight versions), so nothing is off-policy unlabelled.
+  that made them (per-token weight versions, and ``kv_version`` where a refit kept older KV under
+  them), so nothing is off-policy unlabelled.
 - ``GET /health``, ``GET /v1/models``: the service's own answers, relayed.
 - Not served (404, which prime-rl skips with a warning for the first three): ``/init_broadcaster``
   (NCCL broadcast: use the service's own weight sync, docs/trainer-integration.md),
