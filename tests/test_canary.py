@@ -142,6 +142,18 @@ def test_figures_merge_exactly_across_replicas():
     assert sum(e["checked"] for e in kept) == MAX_ENTRIES + 5
 
 
+def test_mixed_tokens_are_counted_apart_and_merge_across_replicas():
+    a, b = CanaryStats(threshold=1e-3), CanaryStats(threshold=1e-3)
+    a.add(0, "v2", 1, [-1.0], [-1.0])
+    a.add_mixed([-1.0, -2.0], [-1.5, -2.0])
+    b.add_mixed([-0.5], [-0.5 - 1e-2])
+    st = status_of([a.report(), b.report()], enabled=True, sample_fraction=1.0, threshold=1e-3)
+    assert (st["checked"], st["tokens"], st["max_abs_diff"]) == (1, 1, 0.0)  # the mixed tokens in no other figure
+    assert st["mixed"]["checked"] == 2 and st["mixed"]["tokens"] == 3
+    assert st["mixed"]["max_abs_diff"] == pytest.approx(0.5) and st["mixed"]["share_above_threshold"] == pytest.approx(2 / 3)
+    assert status_of([], enabled=True, sample_fraction=1.0)["mixed"]["tokens"] == 0
+
+
 def test_the_trainer_side_twin_counts_the_same_way():
     row = TrainingRow(rollout_id="r", segment=0, input_ids=list(range(8)), loss_mask=[0, 0, 1, 1, 0, 1, 1, 1],
                       behaviour_logprobs=[0, 0, -1.0, -2.0, 0, -0.5, -0.25, -3.0],
@@ -250,6 +262,66 @@ async def test_an_engine_left_on_other_weights_is_caught(fleet_rig, tiny_tokeniz
     assert {e["slot"] for e in st["by_engine"]} == {0, 1}  # least loaded routing spread them
     for e in st["by_engine"]:  # every generation was compared with the other engine's weights
         assert e["weight_version"] == "canary-w1" and e["mean_abs_diff"] > 1e-2 and e["share_above_threshold"] > 0.5
+
+
+async def test_a_generation_a_refit_lands_in_is_checked_on_its_last_versions_tokens(fleet_rig, tiny_tokenizer,
+                                                                                      tiny_model_dir):
+    """A refit inside a generation: with the KV kept, the tokens after it are mixed (new weights over
+    the old KV) and counted apart, expected off; with it cleared, they are pure and within parity."""
+    from safetensors.torch import load_file
+
+    from refit_helpers import perturbed
+    from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnResult
+
+    rig = fleet_rig
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    runner, canary = canary_runner(rig.config, rig.runner.fleet, rig.store, tiny_tokenizer)
+
+    async def across_a_refit(i: int, label: str, weights, clear_cache: bool) -> TurnResult:
+        started = asyncio.Event()
+
+        async def generate():
+            async for event in runner.run_completion(CompletionCall(
+                    prompt=prompt_of(tiny_tokenizer, 300 + i), sampling={"seed": i, "ignore_eos": True},
+                    max_tokens=400, stream=True)):
+                if isinstance(event, TokenDelta):
+                    started.set()
+                elif isinstance(event, TurnResult):
+                    return event
+
+        task = asyncio.create_task(generate())
+        await asyncio.wait_for(started.wait(), 60)
+        report = await asyncio.to_thread(rig.trainer.refit, label, weights, transport="object_store",
+                                         clear_cache=clear_cache)
+        assert report["ok"], report
+        return await task
+
+    try:
+        kept = await across_a_refit(0, "canary-kv-kept", perturbed(base, seed=41), clear_cache=False)
+        st = await drained_mixed(canary, 1)
+        assert [s["kv_version"] for s in kept.weight_versions][-1] != kept.weight_versions[-1]["version"], kept.weight_versions
+        assert st["checked"] == 0 and st["mixed"]["checked"] == 1 and st["mixed"]["max_abs_diff"] > 1e-3, st
+        cleared = await across_a_refit(1, "canary-kv-cleared", base, clear_cache=True)
+        assert all(s["kv_version"] == s["version"] for s in cleared.weight_versions), cleared.weight_versions
+        st = await drained(canary, 1)
+    finally:
+        canary.close()
+        if rig.runner.fleet.view.version != "canary-kv-cleared":
+            assert (await asyncio.to_thread(rig.trainer.refit, "canary-kv-base", base, transport="object_store"))["ok"]
+    print(f"across a refit: mixed max |Δ| {st['mixed']['max_abs_diff']:.3f} over {st['mixed']['tokens']} tokens; "
+          f"after a cache-clearing refit {st['tokens']} pure tokens, max |Δ| {st['max_abs_diff']:.2e}")
+    assert st["checked"] == 1 and st["tokens"] > 0 and st["max_abs_diff"] <= PARITY and not st["skipped"]
+    assert st["mixed"]["checked"] == 1  # unchanged by the second generation
+
+
+async def drained_mixed(canary, expected: int, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = status_of([canary.figures()], enabled=True, sample_fraction=1.0, threshold=canary.config.threshold)
+        if st["mixed"]["checked"] + st["checked"] + sum(st["skipped"].values()) >= expected and canary.idle():
+            return st
+        assert time.monotonic() < deadline, f"the canary did not finish: {st}"
+        await asyncio.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,16 @@ runs; once finished, :meth:`Canary.take` puts it on a bounded queue without wait
 the answer's path, and an undrawn generation keeps nothing for the canary). A
 worker task takes it off the queue, re-scores prompt + generated ids on an engine by teacher
 forcing (:meth:`~rollout_service.engine.scoring.Scoring.score`: one prefill, vLLM's prompt logprobs),
-on another serving engine when there is one (``canary.score_on``), checks that the engine held the
-same weight version the whole generation was sampled with, recomputes the processed logprob of
-every generated token under the generation's own sampling parameters
+on another serving engine when there is one (``canary.score_on``), checks that the engine holds the
+version that sampled the generation's last token, recomputes the processed logprob of every
+generated token under the generation's own sampling parameters
 (:mod:`rollout_service.canary.recompute`) and counts |Δ| against what the engine returned when it
-sampled (:class:`~rollout_service.canary.stats.CanaryStats`, the metrics). What cannot be compared
-honestly is skipped and counted by reason. A reporter task sends the replica's figures to the fleet
+sampled (:class:`~rollout_service.canary.stats.CanaryStats`, the metrics). A generation a refit
+landed in is compared on the tokens of its last version: those over pure KV count as any (the
+scorer holds exactly their weights), those over KV an older version computed (``kv_version``,
+``refit.clear_cache: false``) are counted apart (``mixed``: expected off, never in the alarm's
+figures); tokens of the older versions are not compared. What cannot be compared honestly is
+skipped and counted by reason. A reporter task sends the replica's figures to the fleet
 every ``canary.report_interval_s`` when they moved (``GET /v1/status`` merges them).
 """
 
@@ -30,7 +34,7 @@ from typing import Any
 from rollout_service.canary.recompute import plan, processed
 from rollout_service.canary.stats import CanaryStats
 from rollout_service.config import CanaryConfig
-from rollout_service.engine.types import ScoreRequest
+from rollout_service.engine.types import ScoreRequest, kv_spans
 from rollout_service.metrics import get_metrics
 from rollout_service.training.parity import DIFF_CAP
 
@@ -51,6 +55,7 @@ class Generation:
     slot: int
     weight_versions: list[tuple[str, int, int]]
     migrations: int = 0
+    kv_resets: list[int] | None = None  # GenerationChunk.kv_resets
 
 
 class Canary:
@@ -146,14 +151,12 @@ class Canary:
 
     async def check(self, gen: Generation, num_top: int) -> str | None:
         """Re-score and count ``gen``; the skip reason if it could not be compared."""
-        versions = {v for v, _, _ in gen.weight_versions}
-        if len(versions) != 1:
-            return "version_moved" if versions else "empty"
+        spans = kv_spans(gen.weight_versions, gen.kv_resets)
+        if not spans or not gen.token_ids:
+            return "empty"
         if gen.migrations:
             return "migrated"  # its tokens came from two engines
-        if not gen.token_ids:
-            return "empty"
-        version = versions.pop()
+        version = spans[-1][0]
         member = self._scorer(gen.slot)
         if member is None:
             return "no_engine"
@@ -176,13 +179,24 @@ class Canary:
             return "empty"
         # The recompute and the per-token records are pure Python over every token: off the event loop
         # that streams the answers.
-        return await asyncio.to_thread(self._compare, gen, version, member.slot, result)
+        return await asyncio.to_thread(self._compare, gen, version, member.slot, result, spans)
 
-    def _compare(self, gen: Generation, version: str, scored_on: int, result) -> str | None:
+    def _compare(self, gen: Generation, version: str, scored_on: int, result, spans) -> str | None:
         recomputed = processed(gen.sampling, result.logprobs, result.top_logprobs)
         if isinstance(recomputed, str):
             return recomputed
         behaviour = gen.logprobs[: len(recomputed)]
+        if len(spans) > 1:  # a refit landed in it: its last version's tokens, pure and mixed apart
+            pure = [i for v, s, e, kv in spans if v == version and kv == version for i in range(s, e)
+                    if i < len(recomputed)]
+            mixed = [i for v, s, e, kv in spans if v == version and kv != version for i in range(s, e)
+                     if i < len(recomputed)]
+            if mixed:
+                with self._lock:
+                    self.stats.add_mixed([behaviour[i] for i in mixed], [recomputed[i] for i in mixed])
+            if not pure:
+                return None
+            behaviour, recomputed = [behaviour[i] for i in pure], [recomputed[i] for i in pure]
         with self._lock:
             turn = self.stats.add(gen.slot, version, scored_on, behaviour, recomputed)
         diffs = [min(abs(r - b), DIFF_CAP) if math.isfinite(r) else DIFF_CAP

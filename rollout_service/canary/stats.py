@@ -23,6 +23,9 @@ class CanaryStats:
         self.threshold = threshold
         self.entries: dict[tuple[int, str], dict[str, Any]] = {}
         self.skipped: Counter[str] = Counter()
+        # Tokens sampled by a version over KV an older one computed (a refit that kept the cache):
+        # compared against the sampling version's weights, expected off, kept out of every other figure.
+        self.mixed = ParityStats(threshold=threshold)
         self.changes = 0  # bumped by every record: a reporter sends only when it moved
 
     def skip(self, reason: str) -> None:
@@ -40,6 +43,11 @@ class CanaryStats:
         self.changes += 1
         return entry["stats"].add(behaviour, recomputed)
 
+    def add_mixed(self, behaviour, recomputed) -> ParityStats:
+        """Count the mixed tokens of one generation (see ``mixed``)."""
+        self.changes += 1
+        return self.mixed.add(behaviour, recomputed)
+
     def _prune(self) -> None:
         while len(self.entries) > MAX_ENTRIES:
             (slot, version), old = next(iter(self.entries.items()))
@@ -54,6 +62,7 @@ class CanaryStats:
         """JSON-able sums (what a replica sends to the fleet). ``seq`` grows with every record: the fleet
         keeps a replica's report with the highest (a late, older one does not replace a newer one)."""
         return {"seq": self.changes, "threshold": self.threshold, "skipped": dict(self.skipped),
+                "mixed": self.mixed.to_dict(),
                 "entries": [{"slot": slot, "weight_version": version, "stats": e["stats"].to_dict(),
                              "scored_on": {str(k): v for k, v in e["scored_on"].items()},
                              "last_seen": e.get("last_seen", 0.0)}
@@ -65,12 +74,17 @@ def status_of(reports: Iterable[Mapping[str, Any]], *, enabled: bool, sample_fra
     """``GET /v1/status``'s ``canary``: every replica's report merged. ``checked``: generations compared;
     ``skipped``: drawn but not compared, by reason; the figures over every compared token; ``by_engine``:
     per (slot, weight version) of the engine that sampled (``scored_on``: which slots re-scored them),
-    each slot's entries in the order they were last checked (``last_checked_at``, Unix seconds)."""
+    each slot's entries in the order they were last checked (``last_checked_at``, Unix seconds);
+    ``mixed``: the tokens sampled over KV an older version computed, against the sampling version's
+    weights (expected off; in no other figure)."""
     total = ParityStats(threshold=threshold)
+    mixed = ParityStats(threshold=threshold)
     skipped: Counter[str] = Counter()
     merged: dict[tuple[int, str], dict[str, Any]] = {}
     for report in reports:
         skipped.update(report.get("skipped") or {})
+        if report.get("mixed"):
+            mixed.merge(ParityStats.from_dict(report["mixed"]))
         for e in report.get("entries") or ():
             stats = ParityStats.from_dict(e["stats"])
             total.merge(stats)
@@ -80,7 +94,7 @@ def status_of(reports: Iterable[Mapping[str, Any]], *, enabled: bool, sample_fra
             m["stats"].merge(stats)
             m["last_seen"] = max(m["last_seen"], float(e.get("last_seen") or 0.0))
             m["scored_on"].update({int(k): v for k, v in (e.get("scored_on") or {}).items()})
-    summary = total.summary()
+    summary, mixed_summary = total.summary(), mixed.summary()
     by_engine = []
     for (slot, version), m in sorted(merged.items(), key=lambda kv: (kv[0][0], kv[1]["last_seen"])):
         s = m["stats"].summary()
@@ -96,4 +110,7 @@ def status_of(reports: Iterable[Mapping[str, Any]], *, enabled: bool, sample_fra
             "max_abs_diff": summary["max_abs_diff"], "mean_abs_diff": summary["mean_abs_diff"],
             "token_mult_prob_error": summary["token_mult_prob_error"],
             "share_above_threshold": summary["share_above_threshold"], "dropped": summary["dropped"],
-            "ambiguous": summary["ambiguous"], "by_engine": by_engine}
+            "ambiguous": summary["ambiguous"], "by_engine": by_engine,
+            "mixed": {"checked": mixed_summary["turns"], "tokens": mixed_summary["tokens"],
+                      "max_abs_diff": mixed_summary["max_abs_diff"], "mean_abs_diff": mixed_summary["mean_abs_diff"],
+                      "share_above_threshold": mixed_summary["share_above_threshold"]}}

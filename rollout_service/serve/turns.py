@@ -522,7 +522,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
                         self.canary.take(Generation(
                             prompt_ids=request.prompt_ids, token_ids=ids, logprobs=lps, sampling=sampling,
                             slot=routed[-1].member.slot, weight_versions=list(chunk.weight_versions or ()),
-                            migrations=chunk.migrations))
+                            migrations=chunk.migrations, kv_resets=chunk.kv_resets))
                 yield chunk
         except (NoEngineAvailable, EngineLostDuringCall, EngineCallDeadline) as exc:
             raise http_error(exc) from None
