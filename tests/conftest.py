@@ -24,7 +24,6 @@ FIXTURE_MARKS = {
     "service": ("cluster", "engine", "serve"),
     "fleet_rig": ("cluster", "engine"),
     "refit_controller": ("cluster", "engine"),
-    "prefix_cache_controller": ("cluster", "engine"),
     "raw_prefix_controller": ("cluster", "engine"),
     "placement_probe": ("cluster",),  # its own three-node Ray cluster, in a subprocess
     "ray_driver_run": ("cluster",),  # a Ray driver in a subprocess
@@ -33,7 +32,7 @@ FIXTURE_MARKS = {
 
 # Tests that share a heavy session fixture run back to back, so it can be released right after its
 # last user (runtime_fixtures.release_after_last_user) instead of idling through the rest.
-GROUPED_FIXTURES = ("fleet_rig", "refit_controller", "prefix_cache_controller")
+GROUPED_FIXTURES = ("fleet_rig", "refit_controller", "raw_prefix_controller")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

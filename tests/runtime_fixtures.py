@@ -111,6 +111,24 @@ def refit_controller(ray_session, tiny_model_dir, request):
     stack.close()
 
 
+@pytest.fixture(scope="session")
+def raw_prefix_controller(ray_session, tiny_model_dir, request):
+    """One engine with prefix caching on and raw logprobs, behind a standalone RefitController: two
+    ways to break parity for the canary (test_canary.py), and the prefix cache across a refit
+    (test_refit_prefix_cache.py, at T = 1 where raw and processed logprobs agree). One engine start
+    for both; stopped after the last of them."""
+    import contextlib
+
+    from refit_helpers import running_controller
+
+    stack = contextlib.ExitStack()
+    actor = stack.enter_context(running_controller(tiny_model_dir, enable_prefix_caching=True,
+                                                   logprobs_mode="raw_logprobs"))
+    release_after_last_user(request, "raw_prefix_controller", stack.close)
+    yield actor
+    stack.close()
+
+
 def free_port() -> int:
     import socket
 

@@ -324,15 +324,6 @@ async def drained_mixed(canary, expected: int, timeout: float = 120.0) -> dict:
         await asyncio.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def raw_prefix_controller(ray_session, tiny_model_dir):
-    """One engine in raw logprobs mode with prefix caching on: two ways to break parity."""
-    from refit_helpers import running_controller
-
-    with running_controller(tiny_model_dir, enable_prefix_caching=True, logprobs_mode="raw_logprobs") as actor:
-        yield actor
-
-
 async def test_raw_logprobs_and_a_stale_prefix_cache_are_caught(raw_prefix_controller, redis_server, tiny_tokenizer,
                                                                 tiny_model_dir):
     from safetensors.torch import load_file

@@ -9,17 +9,13 @@ import pytest
 import torch
 
 from engine_helpers import hf_sampled_logprobs, load_hf_model, stream_generation
-from refit_helpers import running_controller
 
 
 
-@pytest.fixture(scope="module")
-def prefix_cache_controller(ray_session, tiny_model_dir):
-    with running_controller(tiny_model_dir, enable_prefix_caching=True) as actor:
-        yield actor
-
-
-async def test_no_prefix_cache_hit_crosses_a_refit(prefix_cache_controller, tiny_tokenizer, tiny_model_dir):
+async def test_no_prefix_cache_hit_crosses_a_refit(raw_prefix_controller, tiny_tokenizer, tiny_model_dir):
+    """On the session's prefix-caching engine (raw logprobs, shared with the canary's test: at T = 1
+    without top-k / top-p, raw and processed logprobs are the same numbers)."""
+    prefix_cache_controller = raw_prefix_controller
     from safetensors.torch import load_file
 
     from rollout_service.refit.client import TrainerClient
