@@ -58,12 +58,30 @@ async def test_an_abort_ends_the_running_call_at_once_keeps_its_tokens_and_refus
     assert refused["__error__"] == 409 and refused["error"]["code"] == "rollout_aborted", refused
     assert "dropped by dynamic sampling" in refused["error"]["message"]
     assert (await rig.store.load(rid)).turn == 2
-    # Idempotent; an unknown rollout is 404.
-    again = await rig.runner.abort_rollout(rid, "again")
+    # Idempotent, also through the trainer's handle; an unknown rollout is 404 (the handle: None).
+    again = await asyncio.to_thread(rig.trainer.abort, rid, "again")
     assert again["already_aborted"] and again["reason"] == "dropped by dynamic sampling" and again["aborted_calls"] == 0
     with pytest.raises(ServiceError) as unknown:
         await rig.runner.abort_rollout(new_rid("never"))
     assert (unknown.value.status, unknown.value.code) == (404, "rollout_not_found")
+    assert await asyncio.to_thread(rig.trainer.abort, new_rid("never")) is None
+
+
+async def test_the_trainer_aborts_a_running_call_through_its_handle(fleet_rig):
+    rig = fleet_rig
+    rid = new_rid("trainer-abort")
+    messages, _ = await _first_call(rig.runner, rid)
+    # Not streamed: the abort reaches a call whose client waits for one answer, too.
+    call = asyncio.create_task(run_events(rig.runner, turn_request(rid, messages, seed=7, stream=False, max_tokens=900)))
+    deadline = time.monotonic() + 120
+    while not (await asyncio.to_thread(rig.trainer.stats))["in_flight"]:
+        assert time.monotonic() < deadline and not call.done(), "the call never reached its engine"
+        await asyncio.sleep(0.05)
+    answer = await asyncio.to_thread(rig.trainer.abort, rid, "early stop")
+    final = (await asyncio.wait_for(call, 30))[-1]
+    assert answer["aborted_calls"] == 1 and final["finish_reason"] == "abort", (answer, final)
+    state = await rig.store.load(rid)
+    assert state.turn == 2 and (state.status, state.status_reason) == ("aborted", "early stop")
 
 
 async def test_a_call_past_the_staleness_bound_is_refused_and_nothing_is_stored(fleet_rig, tiny_model_dir, tmp_path):

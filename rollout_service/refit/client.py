@@ -380,6 +380,20 @@ class TrainerClient(NcclTrainer):
         config = await aget((await self._acontroller()).store_config.remote(), 60)
         return await read_trajectory(config, rollout_id)
 
+    def abort(self, rollout_id: str, reason: str | None = None) -> dict[str, Any] | None:
+        """:meth:`aabort`, run to completion."""
+        return run_sync(self.aabort(rollout_id, reason))
+
+    async def aabort(self, rollout_id: str, reason: str | None = None) -> dict[str, Any] | None:
+        """Abort a rollout, as ``POST /v1/rollouts/{id}/abort`` does: its running call ends at its
+        engine's next step (``finish_reason`` abort, its tokens so far stored), its next calls get
+        409 ``rollout_aborted``. Idempotent (the first reason stands); None if the rollout is unknown.
+        docs/trainer-integration.md, "Steering rollouts"."""
+        from rollout_service.store.base import validate_rollout_id
+
+        validate_rollout_id(rollout_id)
+        return await aget((await self._acontroller()).abort_rollout.remote(rollout_id, reason), 60)
+
     def weights_checksums(self) -> list[str]:
         """:meth:`aweights_checksums`, run to completion."""
         return run_sync(self.aweights_checksums())

@@ -38,6 +38,7 @@ from rollout_service.refit.abandoned_refit import AbandonedRefitRecovery
 from rollout_service.refit.control import EngineControl
 from rollout_service.refit.deadlines import refit_lease_s
 from rollout_service.refit.nccl import NcclRounds
+from rollout_service.refit.rollout_aborts import RolloutAborts
 from rollout_service.refit.rollout_reads import RolloutReads
 from rollout_service.refit.three_phase import ThreePhaseRefit
 from rollout_service.refit.types import RefitFailed, RefitInProgress, short_error
@@ -50,7 +51,8 @@ CONTROLLER_NAME = "rollout-service-refit"
 CONTROLLER_NAMESPACE = "rollout-service"
 
 
-class RefitController(ThreePhaseRefit, WeightSyncGroups, NcclRounds, AbandonedRefitRecovery, RolloutReads):
+class RefitController(ThreePhaseRefit, WeightSyncGroups, NcclRounds, AbandonedRefitRecovery, RolloutReads,
+                      RolloutAborts):
     def __init__(self, config: RolloutServiceConfig | dict, fleet=None):
         self.config = config if isinstance(config, RolloutServiceConfig) else RolloutServiceConfig.model_validate(config)
         self._fleet = fleet
