@@ -16,6 +16,7 @@ from redis.crc import key_slot
 from rollout_service.store import EmbeddedRedis, EmbeddedRedisError, RedisRolloutStore, StoreUnavailable, TurnConflict
 from rollout_service.store.embedded import free_port
 from rollout_service.store.urls import parse_redis_url
+from rollout_service.serve.errors import http_error
 from synthetic_rollouts import synthetic_delta, synthetic_rollout
 
 
@@ -285,9 +286,14 @@ async def test_a_stalled_redis_answers_store_unavailable_within_the_configured_d
         try:
             for op in (lambda: s.load("stalled"), lambda: s.append_turn("stalled", deltas[1], expected_turn=1)):
                 t0 = time.monotonic()
-                with pytest.raises(StoreUnavailable):
+                with pytest.raises(StoreUnavailable) as err:
                     await asyncio.wait_for(op(), 10)
                 took = time.monotonic() - t0
+                # What the wire carries: 503 store_unavailable, saying why.
+                answer = http_error(err.value).envelope()["error"]
+                assert (err.value.status, answer["code"], answer["type"]) == (503, "store_unavailable",
+                                                                            "service_unavailable")
+                assert "redis unavailable" in answer["message"]
                 print(f"stalled redis: StoreUnavailable after {took:.2f}s (timeout 0.4 s, 1 retry)")
                 assert 0.7 <= took <= 2.0
         finally:

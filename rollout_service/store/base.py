@@ -33,7 +33,7 @@ class StoreError(Exception):
 
     status: int = 503
     error_type: str = "service_unavailable"
-    code: str | None = None
+    code: str | None = "store_unavailable"
     param: str | None = None
     what = "rollout store error"
 
@@ -107,7 +107,10 @@ class RolloutAborted(StoreError):
 
 
 class StoreUnavailable(StoreError):
-    """The backend cannot be reached (the HTTP layer answers 503; the request may be retried)."""
+    """The backend cannot be reached, did not answer in time, or (``store.durability: replicated``)
+    could not put a turn on enough replicas in time: 503 ``store_unavailable``, the message says
+    which. In the last case, and when an append timed out, the turn may already be on the primary:
+    the identical request again (same body or ``Idempotency-Key``) replays it, never generates twice."""
 
     what = "rollout store unavailable"
 
