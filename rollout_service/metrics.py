@@ -117,7 +117,7 @@ METRICS: tuple[MetricDef, ...] = (
     _m("active_rollouts", "gauge", "Rollouts with a call in the last 300 s (ACTIVE_WINDOW_S), per replica process: "
        "live rollouts, also those between calls (waiting on a tool or an environment step). Sum over replicas "
        "(a rollout is routed to one; after a replica change it may count on two for one window).", ()),
-    _m("rollout_version_lag", "histogram", "Per call of a stored rollout, at its admission: refits between the "
+    _m("rollout_version_lag", "histogram", "Per call of a stored rollout, at its admission (refused ones included): refits between the "
        "version of the rollout's oldest generated token and the version served now (the staleness bound's measure; "
        "a version older than the fleet remembers counts as the number it remembers).", (), LAG_BUCKETS),
     _m("turns_refused_total", "counter", "Calls of a rollout refused at admission, nothing generated or stored, by "

@@ -7,10 +7,12 @@
 # link to it. A fresh clone (CI) reuses them; a changed pin builds a new one; a fresh machine builds
 # them all (~2 min). ROLLOUT_SERVICE_CACHE=off installs into .venv/<name> as before.
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(client_dir ...) stops the script too
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/pip ] || bash scripts/setup.sh  # the venv these clients go beside
 
 CACHE=${ROLLOUT_SERVICE_CACHE:-$HOME/.cache/rollout-service}
+[ "$CACHE" = off ] || CACHE=$(realpath -m "$CACHE")
 PYV=$(.venv/bin/python -c 'import sys; print(sys.version.split()[0])')
 
 # client_dir NAME SPEC...: where NAME's install goes, echoed; .venv/NAME links to it. SPEC: every

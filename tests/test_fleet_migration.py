@@ -142,6 +142,10 @@ def test_kv_versions_follow_the_resets_a_refit_and_a_seam_make():
     # A reset inside a span splits it; None (an engine that keeps no record) is no reset.
     assert kv_spans([("v1", 0, 2), ("v2", 2, 6)], [4]) == [("v1", 0, 2, "v1"), ("v2", 2, 4, "v1"), ("v2", 4, 6, "v2")]
     assert kv_spans([("v1", 0, 4)], None) == [("v1", 0, 4, "v1")]
+    # The prompt's KV came from the version the request started on: a refit that kept it before the
+    # first sampled id leaves every id mixed; one that cleared it resets at 0.
+    assert kv_spans([("v2", 0, 3)], [], base="v1") == [("v2", 0, 3, "v1")]
+    assert kv_spans([("v2", 0, 3)], [0], base="v1") == [("v2", 0, 3, "v2")]
     # A migration: the next engine prefills prompt + ids anew, so the seam is a reset even where
     # the version does not change; the engine's own resets are shifted past the seam.
     p = Progress(_req())

@@ -92,7 +92,7 @@ async def test_refit_keeps_streaming_rollouts_and_post_refit_tokens_match_new_we
         assert last.finish_reason == "length" and len(ids) == 200
         k = split_at_refit(last.weight_versions, "0", "1", len(ids))
         # The KV was recomputed at resume by the new weights: every token is pure (kv_version = version).
-        assert kv_spans(last.weight_versions, last.kv_resets) == [("0", 0, k, "0"), ("1", k, len(ids), "1")]
+        assert kv_spans(last.weight_versions, last.kv_resets, last.kv_base) == [("0", 0, k, "0"), ("1", k, len(ids), "1")]
         ref_old = hf_sampled_logprobs(old_model, prompt, ids)
         ref_new = hf_sampled_logprobs(new_model, prompt, ids)
         worst_old = max(worst_old, max_abs(lps[:k], ref_old[:k]))
@@ -124,7 +124,7 @@ async def test_refit_without_clear_cache_keeps_stale_kv_for_in_flight_requests(
         assert last.finish_reason == "length"
         k = split_at_refit(last.weight_versions, "1", "2", len(ids))
         # Sampled by "2" over KV "1" computed: the tokens after the refit say so (kv_version "1").
-        assert kv_spans(last.weight_versions, last.kv_resets) == [("1", 0, k, "1"), ("2", k, len(ids), "1")]
+        assert kv_spans(last.weight_versions, last.kv_resets, last.kv_base) == [("1", 0, k, "1"), ("2", k, len(ids), "1")]
         worst_pre = max(worst_pre, max_abs(lps[:k], hf_sampled_logprobs(m1, prompt, ids)[:k]))
         post_vs_new.append(max_abs(lps[k:], hf_sampled_logprobs(m2, prompt, ids)[k:]))
         post_vs_old.append(max_abs(lps[k:], hf_sampled_logprobs(m1, prompt, ids)[k:]))
@@ -136,7 +136,7 @@ async def test_refit_without_clear_cache_keeps_stale_kv_for_in_flight_requests(
     fresh = prompts(tiny_tokenizer, "B-fresh", 2)
     for i, p in enumerate(fresh):
         ids, lps, last = await stream_generation(engine, p, seed=300 + i, max_tokens=64, ignore_eos=True)
-        assert last.weight_versions == [("2", 0, 64)] and last.kv_resets == []
+        assert last.weight_versions == [("2", 0, 64)] and last.kv_resets == [] and last.kv_base == "2"
         assert max_abs(lps, hf_sampled_logprobs(m2, p, ids)) <= 1e-4
 
 

@@ -54,3 +54,20 @@ def test_decoded_delta_is_what_a_reload_shows_and_shares_nothing():
     assert back.record.answer is not d.record.answer and back.render_context is not d.render_context
     state = back.apply(RolloutState("r"))
     assert state.turn == 1 and state.segments[0].turns == [d.record]
+
+
+def test_a_mixed_spans_kv_version_is_stored_beside_the_spans_where_older_readers_ignore_it():
+    import json
+
+    from rollout_service.onpolicy.types import TurnRecord, WeightSpan
+
+    rec = TurnRecord(turn=1, prompt_start=0, gen_start=2, gen_end=8, finish_reason="length", monotonic=True,
+                     weight_versions=[WeightSpan("v1", 2, 5), WeightSpan("v2", 5, 8, "v1")])
+    stored = json.loads(json.dumps(rec.to_dict()))
+    assert stored["weight_versions"] == [{"version": "v1", "start": 2, "end": 5}, {"version": "v2", "start": 5, "end": 8}]
+    assert stored["kv_versions"] == [None, "v1"]
+    back = TurnRecord.from_dict(stored)
+    assert back == rec and [w.to_dict()["kv_version"] for w in back.weight_versions] == ["v1", "v1"]
+    pure = TurnRecord(turn=1, prompt_start=0, gen_start=0, gen_end=3, finish_reason="stop", monotonic=True,
+                      weight_versions=[WeightSpan("v1", 0, 3)])
+    assert "kv_versions" not in pure.to_dict()  # records of pure spans are as they always were

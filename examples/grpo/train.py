@@ -158,8 +158,13 @@ class GRPOTrainer:
             if weights is None:
                 ratio = torch.exp(lp - torch.tensor(row.behaviour_logprobs, dtype=torch.float32))
             else:
-                ratio = torch.exp(lp - torch.tensor(before[k], dtype=torch.float32))
-                mask = mask * torch.tensor(weights[k], dtype=torch.float32)
+                # A token the trainer's top-k cut (its logprob -inf) has weight 0: its ratio is never
+                # formed (exp(-inf + inf) would be NaN, and NaN x 0 is still NaN).
+                w = torch.tensor(weights[k], dtype=torch.float32)
+                prox = torch.tensor(before[k], dtype=torch.float32)
+                ratio = torch.exp(torch.where(w > 0, lp - torch.where(w > 0, prox, torch.zeros_like(prox)),
+                                              torch.zeros_like(lp)))
+                mask = mask * w
             clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps)
             loss = -(torch.minimum(ratio * adv, clipped * adv) * mask).sum() / total
             loss.backward()

@@ -56,6 +56,7 @@ class Generation:
     weight_versions: list[tuple[str, int, int]]
     migrations: int = 0
     kv_resets: list[int] | None = None  # GenerationChunk.kv_resets
+    kv_base: str | None = None  # GenerationChunk.kv_base
 
 
 class Canary:
@@ -151,7 +152,7 @@ class Canary:
 
     async def check(self, gen: Generation, num_top: int) -> str | None:
         """Re-score and count ``gen``; the skip reason if it could not be compared."""
-        spans = kv_spans(gen.weight_versions, gen.kv_resets)
+        spans = kv_spans(gen.weight_versions, gen.kv_resets, gen.kv_base)
         if not spans or not gen.token_ids:
             return "empty"
         if gen.migrations:

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION_CLS = "rollout_service.weights.worker_extension.RolloutWorkerExtension"
 
 
+ABORT_MEMORY_S = 600.0  # how long an engine remembers an aborted rollout (abort_rollout)
+
 class EngineReplica(RefitSteps, Scoring):
     """Wraps one ``AsyncLLM``. Use :func:`create_engine_actor` to run it as a Ray actor."""
 
@@ -42,6 +44,9 @@ class EngineReplica(RefitSteps, Scoring):
         self._in_flight: dict[str, int] = {}
         self._in_flight_started_on: dict[str, str] = {}  # request id -> weight version at its start
         self._in_flight_rollout: dict[str, str] = {}  # request id -> its rollout (abort_rollout)
+        # Rollouts aborted here lately: a request of one arriving after its abort (a call admitted just
+        # before, or continued here after a migration) ends at once with finish_reason abort.
+        self._aborted_rollouts: dict[str, float] = {}
         # Request id -> versions whose first id it sampled over KV recomputed whole at a refit that
         # cleared the cache (GenerationChunk.kv_resets); the pause that cleared it: (version, request ids).
         self._kv_reset_versions: dict[str, set[str]] = {}
@@ -214,8 +219,16 @@ class EngineReplica(RefitSteps, Scoring):
         if salt is not None:
             prompt["cache_salt"] = salt
         self._in_flight[request.request_id] = len(request.prompt_ids)
-        self._in_flight_started_on[request.request_id] = self._version
+        self._in_flight_started_on[request.request_id] = started_on = self._version
         if request.rollout_id is not None:
+            if self._recently_aborted(request.rollout_id):  # its abort came before it reached this engine
+                self._in_flight.pop(request.request_id, None)
+                self._in_flight_started_on.pop(request.request_id, None)
+                yield GenerationChunk(token_ids=[], logprobs=[], top_logprobs=[] if request.sampling.top_logprobs else None,
+                                      finish_reason="abort", weight_version=self._version, weight_versions=[],
+                                      num_prompt_tokens=len(request.prompt_ids), engine_index=self.index,
+                                      kv_resets=[])
+                return
             self._in_flight_rollout[request.request_id] = request.rollout_id
         want_top = request.sampling.top_logprobs
         finished = False
@@ -241,12 +254,13 @@ class EngineReplica(RefitSteps, Scoring):
                     chunk.finish_reason = comp.finish_reason
                     chunk.stop_reason = comp.stop_reason
                     chunk.weight_versions = [(s.version, s.start, s.end) for s in (comp.weight_versions or [])]
-                if chunk.weight_versions is not None:
-                    chunk.kv_resets = _reset_positions(chunk.weight_versions,
-                                                       self._kv_reset_versions.get(request.request_id))
                     chunk.num_cached_tokens = getattr(out, "num_cached_tokens", None)
                     if comp.finish_reason == "abort":
                         self._num_aborted += 1
+                if chunk.weight_versions is not None:
+                    chunk.kv_base = started_on
+                    chunk.kv_resets = _reset_positions(chunk.weight_versions,
+                                                       self._kv_reset_versions.get(request.request_id))
                 if ids or chunk.finish_reason:
                     yield chunk
         finally:
@@ -269,10 +283,19 @@ class EngineReplica(RefitSteps, Scoring):
         """Abort every request of ``rollout_id`` running here (the trainer aborted the rollout): vLLM
         ends each at its next step with ``finish_reason`` abort, which its call receives as its last
         chunk. Returns how many were aborted."""
+        now = time.monotonic()
+        self._aborted_rollouts[rollout_id] = now
+        for rid, at in list(self._aborted_rollouts.items()):
+            if now - at > ABORT_MEMORY_S:
+                del self._aborted_rollouts[rid]
         ids = [rid for rid, owner in self._in_flight_rollout.items() if owner == rollout_id]
         for rid in ids:
             await self._engine().abort(rid)
         return len(ids)
+
+    def _recently_aborted(self, rollout_id: str) -> bool:
+        at = self._aborted_rollouts.get(rollout_id)
+        return at is not None and time.monotonic() - at <= ABORT_MEMORY_S
 
     # -------------------------------------------------------------- control plane
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> float:

@@ -50,6 +50,9 @@ class GenerationChunk:
     # request's whole KV cache had been recomputed: at a refit that cleared the cache
     # (``refit.clear_cache``) and at a migration's seam. Position 0 is implied. None: no such record.
     kv_resets: list[int] | None = None
+    # The version whose weights computed the prompt's KV (the engine's version when the request
+    # started; None: the first id's version).
+    kv_base: str | None = None
 
     @staticmethod
     def concat(chunks: list["GenerationChunk"]) -> "GenerationChunk":
@@ -97,15 +100,16 @@ def spans_up_to(spans, n: int) -> list[tuple[str, int, int]]:
     return [(v, s, min(e, n)) for v, s, e in spans if s < n]
 
 
-def kv_spans(spans, resets) -> list[tuple[str, int, int, str]]:
+def kv_spans(spans, resets, base: str | None = None) -> list[tuple[str, int, int, str]]:
     """``(version, start, end, kv_version)``: each span of sampling versions with the oldest version
-    whose KV its ids attended to. The KV is the first id's version's from position 0 and from every
-    reset position (``GenerationChunk.kv_resets``: recomputed whole there, by the weights of the id
-    sampled there); in between, a refit that kept the KV adds newer weights over the older KV, so
-    the KV version stays the one of the last reset. Spans are split at resets inside them."""
-    cuts = {int(r) for r in resets or ()} | {0}
+    whose KV its ids attended to. The prompt's KV is ``base``'s (``GenerationChunk.kv_base``; None:
+    the first id's version); at every reset position (``GenerationChunk.kv_resets``) the whole KV was
+    recomputed, by the weights of the id sampled there; in between, a refit that kept the KV adds
+    newer weights over the older KV, so the KV version stays the one of the last reset (or the
+    base). Spans are split at resets inside them."""
+    cuts = {int(r) for r in resets or ()}
     out: list[tuple[str, int, int, str]] = []
-    kv: str | None = None
+    kv: str | None = base
     for v, s, e in spans:
         points = [s, *sorted(c for c in cuts if s < c < e), e]
         for a, b in zip(points, points[1:]):

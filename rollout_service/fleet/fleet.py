@@ -156,8 +156,11 @@ class EngineFleet(CurrentWeights, Adoption, Monitor, BringUp, RefitBracket):
             # Read after the drain: a refit that committed while the engines finished their calls counts.
             keep = self.weights if same_model else None
             keep_version = self.health.current_version if same_model else BASE_VERSION
+            versions = list(self.health.versions)
             self.config = new
             self._init_state()
+            self.health.versions = versions  # the staleness bound counts refits across a restart too
+            self.health.note_version(BASE_VERSION if keep is None else keep_version)
             if keep is not None and keep_version != BASE_VERSION:
                 self.weights = keep
                 self.health.current_version = keep_version

@@ -63,6 +63,7 @@ class Progress:
     # engine prefills prompt + ids anew), and this engine's, relative to offset.
     resets: list[int] = field(default_factory=list)
     current_resets: list[int] = field(default_factory=list)
+    kv_base: str | None = None  # the first engine's (GenerationChunk.kv_base)
     finished: bool = False
     labelled_only: bool = False  # a chunk came without spans: its ids' versions are not known exactly
 
@@ -72,6 +73,8 @@ class Progress:
         self.ids += chunk.token_ids
         if chunk.kv_resets is not None:
             self.current_resets = list(chunk.kv_resets)
+        if self.kv_base is None and not self.migrations:
+            self.kv_base = chunk.kv_base
         if chunk.weight_versions is not None:
             self.current = [tuple(span) for span in chunk.weight_versions]
         elif chunk.token_ids:  # an engine that labels its chunks only: the version it had when it sent them
@@ -82,7 +85,7 @@ class Progress:
         if not self.migrations:
             return chunk
         return replace(chunk, num_prompt_tokens=len(self.request.prompt_ids), migrations=self.migrations,
-                       weight_versions=self.all_spans(), kv_resets=self.all_resets())
+                       weight_versions=self.all_spans(), kv_resets=self.all_resets(), kv_base=self.kv_base)
 
     def all_resets(self) -> list[int]:
         return [*self.resets, *(r + self.offset for r in self.current_resets)]
@@ -107,6 +110,7 @@ class Progress:
         """The final chunk of a call whose engine died right after its last allowed id."""
         return GenerationChunk(token_ids=[], logprobs=[], top_logprobs=[] if self.request.sampling.top_logprobs else None,
                                finish_reason="length", weight_versions=self.all_spans(), kv_resets=self.all_resets(),
+                               kv_base=self.kv_base,
                                weight_version=self.spans[-1][0] if self.spans else None,
                                num_prompt_tokens=len(self.request.prompt_ids), engine_index=engine_index,
                                migrations=self.migrations)

@@ -18,7 +18,8 @@ def trajectory_export(state: RolloutState) -> dict[str, Any]:
             "loss_mask": list(seg.loss_mask),
             "logprobs": list(seg.logprobs),
             "weight_versions": spans,
-            "turns": [{**t.to_dict(), "weight_versions": [w.to_dict() for w in t.weight_versions],
+            "turns": [{**{k: v for k, v in t.to_dict().items() if k != "kv_versions"},
+                       "weight_versions": [w.to_dict() for w in t.weight_versions],
                        "constrained": t.constrained, "migrations": t.migrations} for t in seg.turns],
             "num_messages": len(seg.messages),
         })

@@ -75,8 +75,12 @@ class TurnRecord:
             "gen_end": self.gen_end,
             "finish_reason": self.finish_reason,
             "monotonic": self.monotonic,
-            "weight_versions": [_stored_span(w) for w in self.weight_versions],
+            "weight_versions": [{"version": w.version, "start": w.start, "end": w.end} for w in self.weight_versions],
         }
+        if any(not w.pure for w in self.weight_versions):
+            # Beside the spans, not in them: a replica running older code (a rolling deploy) builds
+            # spans from their keys and ignores record keys it does not know.
+            d["kv_versions"] = [None if w.pure else w.kv_version for w in self.weight_versions]
         if self.request_digest is not None:
             d["request_digest"] = self.request_digest
         if self.idempotency_key is not None:
@@ -93,17 +97,11 @@ class TurnRecord:
     def from_dict(cls, d: dict[str, Any]) -> "TurnRecord":
         """Keys this version does not know are ignored: during a rolling deploy, a replica running
         older code must still load a rollout a newer replica has appended to."""
+        kv = d.get("kv_versions") or []
         d = {k: v for k, v in d.items() if k in _RECORD_FIELDS}
-        d["weight_versions"] = [WeightSpan(**w) for w in d.get("weight_versions", [])]
+        d["weight_versions"] = [WeightSpan(w["version"], w["start"], w["end"], kv[i] if i < len(kv) else None)
+                                for i, w in enumerate(d.get("weight_versions", []))]
         return cls(**d)
-
-
-def _stored_span(w: WeightSpan) -> dict[str, Any]:
-    """A span as stored: ``kv_version`` only when it differs (records of pure spans unchanged)."""
-    d = {"version": w.version, "start": w.start, "end": w.end}
-    if not w.pure:
-        d["kv_version"] = w.kv_version
-    return d
 
 
 _RECORD_FIELDS = frozenset(f.name for f in fields(TurnRecord))

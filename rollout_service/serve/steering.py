@@ -42,9 +42,11 @@ def oldest_version(state: RolloutState) -> str | None:
 class RolloutSteering:
     config: RolloutServiceConfig  # the TurnRunner's
 
-    def admit(self, state: RolloutState | None, req: TurnRequest) -> None:
+    async def admit(self, state: RolloutState | None, req: TurnRequest) -> None:
         """Refuse a call of an aborted rollout (409 rollout_aborted) or of one past its staleness
-        bound (409 rollout_stale, the status marked); nothing is generated or stored either way."""
+        bound (409 rollout_stale, the status marked); nothing is generated or stored either way.
+        Before refusing for staleness, the fleet's view is read afresh: a replica's copy follows the
+        fleet within its watch interval, and a version committed since must not look unknown."""
         if state is None or req.rollout_id is None:
             return
         if state.status == "aborted":
@@ -57,6 +59,12 @@ class RolloutSteering:
         if oldest is None or view is None:
             return
         lag = view.lag(oldest)
+        if bound is not None and (lag is None or lag > bound):
+            try:
+                view = await self.fleet.refresh()
+            except Exception as exc:  # the fleet restarting: judge on the copy at hand
+                logger.warning("staleness check on a possibly old fleet view: %s", exc)
+            lag = view.lag(oldest)
         known = lag is not None
         if not known:  # older than the fleet remembers (or never served here): past any bound it knows
             lag = len(view.versions)

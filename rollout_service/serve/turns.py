@@ -288,7 +288,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
                 yield replay
                 return
             try:  # an aborted rollout, or one past its staleness bound: 409, nothing generated or stored
-                self.admit(state, req)
+                await self.admit(state, req)
             except StaleRollout as exc:
                 await self.mark_stale(exc)
                 raise
@@ -398,7 +398,8 @@ class TurnRunner(RolloutReads, RolloutSteering):
         if message.get("tool_calls") and finish_reason == "stop":
             finish_reason = "tool_calls"
         spans = [WeightSpan(v, s, e, None if kv == v else kv)
-                 for v, s, e, kv in kv_spans(final_chunk.weight_versions or [], final_chunk.kv_resets)]
+                 for v, s, e, kv in kv_spans(final_chunk.weight_versions or [], final_chunk.kv_resets,
+                                                  final_chunk.kv_base)]
         try:
             delta = finish_turn(state if state is not None else RolloutState(rollout_id), plan, gen_ids=ids, logprobs=lps,
                                 finish_reason=finish_reason, weight_versions=spans, assistant_message=message)
@@ -479,7 +480,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
             finish_reason=final.finish_reason or "stop", stop_reason=final.stop_reason, message={},
             text=self.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens),
             weight_versions=[{"version": v, "start": s, "end": e, "kv_version": kv}
-                             for v, s, e, kv in kv_spans(final.weight_versions or [], final.kv_resets)],
+                             for v, s, e, kv in kv_spans(final.weight_versions or [], final.kv_resets, final.kv_base)],
             engine_index=final.engine_index, token_strs=self.token_strs(ids, tops) if call.want_token_strs else None,
         )
 
@@ -522,7 +523,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
                         self.canary.take(Generation(
                             prompt_ids=request.prompt_ids, token_ids=ids, logprobs=lps, sampling=sampling,
                             slot=routed[-1].member.slot, weight_versions=list(chunk.weight_versions or ()),
-                            migrations=chunk.migrations, kv_resets=chunk.kv_resets))
+                            migrations=chunk.migrations, kv_resets=chunk.kv_resets, kv_base=chunk.kv_base))
                 yield chunk
         except (NoEngineAvailable, EngineLostDuringCall, EngineCallDeadline) as exc:
             raise http_error(exc) from None
