@@ -489,7 +489,9 @@ class RequestObservation:
 
     def result(self, prompt_tokens: int, generated: int, replayed: bool, weight_versions) -> None:
         self.prompt_tokens, self.generated, self.replayed = prompt_tokens, generated, replayed
-        self.version_lag = max(0, len(weight_versions or ()) - 1)
+        # Refits that landed during the generation: versions its spans name, less one (a span split
+        # by kv_version is one version).
+        self.version_lag = max(0, len({w["version"] if isinstance(w, dict) else w[0] for w in weight_versions or ()}) - 1)
 
 
 _process_metrics: ServiceMetrics | None = None

@@ -299,9 +299,11 @@ async def test_a_generation_a_refit_lands_in_is_checked_on_its_last_versions_tok
     try:
         kept = await across_a_refit(0, "canary-kv-kept", perturbed(base, seed=41), clear_cache=False)
         st = await drained_mixed(canary, 1)
-        assert [s["kv_version"] for s in kept.weight_versions][-1] != kept.weight_versions[-1]["version"], kept.weight_versions
+        assert len({s["version"] for s in kept.weight_versions}) == 2, kept.weight_versions  # it spanned the refit
+        assert kept.weight_versions[-1]["kv_version"] != kept.weight_versions[-1]["version"], kept.weight_versions
         assert st["checked"] == 0 and st["mixed"]["checked"] == 1 and st["mixed"]["max_abs_diff"] > 1e-3, st
         cleared = await across_a_refit(1, "canary-kv-cleared", base, clear_cache=True)
+        assert len({s["version"] for s in cleared.weight_versions}) == 2, cleared.weight_versions  # it spanned the refit
         assert all(s["kv_version"] == s["version"] for s in cleared.weight_versions), cleared.weight_versions
         st = await drained(canary, 1)
     finally:
