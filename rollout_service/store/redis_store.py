@@ -432,7 +432,13 @@ class RedisRolloutStore:
         if status not in ROLLOUT_STATUSES:
             raise ValueError(f"status must be one of {ROLLOUT_STATUSES}, got {status!r}")
         async with self._translate():
-            result = int(await self._mark(keys=[meta], args=[status, reason]))
+            if self.durability == "replicated":  # an abort survives a failover as a turn does
+                raw, acked = await self._with_wait(self._mark, meta, [status, reason])
+                result = int(raw)
+                if result:
+                    self._check_replicated(acked)
+            else:
+                result = int(await self._mark(keys=[meta], args=[status, reason]))
         return None if result == 0 else result == 1
 
     async def delete(self, rollout_id: str) -> bool:
