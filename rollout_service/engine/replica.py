@@ -23,14 +23,13 @@ from rollout_service.config import EngineConfig
 from rollout_service.engine.channel import ChannelServer
 from rollout_service.engine.refit_steps import RefitSteps
 from rollout_service.engine.scoring import Scoring
-from rollout_service.engine.types import EngineUnavailable, GenerateRequest, GenerationChunk, spans_up_to
+from rollout_service.engine.types import ABORT_MEMORY_S, EngineUnavailable, GenerateRequest, GenerationChunk, spans_up_to
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION_CLS = "rollout_service.weights.worker_extension.RolloutWorkerExtension"
 
 
-ABORT_MEMORY_S = 600.0  # how long an engine remembers an aborted rollout (abort_rollout)
 
 class EngineReplica(RefitSteps, Scoring):
     """Wraps one ``AsyncLLM``. Use :func:`create_engine_actor` to run it as a Ray actor."""

@@ -46,7 +46,7 @@ from rollout_service.engine.batching import batched
 from rollout_service.engine.channel import ChannelServer
 from rollout_service.engine.refit_steps import RefitSteps
 from rollout_service.engine.sampling import SamplingParamsError
-from rollout_service.engine.types import (EngineUnavailable, GenerateRequest, GenerationChunk, ScoreRequest, ScoreResult,
+from rollout_service.engine.types import (ABORT_MEMORY_S, EngineUnavailable, GenerateRequest, GenerationChunk, ScoreRequest, ScoreResult,
                                           spans_up_to)
 
 
@@ -258,6 +258,7 @@ class SimulatedEngine(RefitSteps):
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._by_id: dict[str, _Seq] = {}
+        self._aborted_rollouts: dict[str, float] = {}  # as EngineReplica's: rollout id -> when aborted
         self._num_aborted = 0
         self._paused = False
         self._work = asyncio.Event()
@@ -346,6 +347,12 @@ class SimulatedEngine(RefitSteps):
                                       f"({request.max_tokens}) exceeds max_model_len {self.config.max_model_len}")
         if request.request_id in self._by_id:
             raise SamplingParamsError("request_id", f"request id {request.request_id} is already running")
+        aborted_at = self._aborted_rollouts.get(request.rollout_id) if request.rollout_id is not None else None
+        if aborted_at is not None and time.monotonic() - aborted_at <= ABORT_MEMORY_S:
+            yield GenerationChunk(token_ids=[], logprobs=[], top_logprobs=[] if s.top_logprobs else None,
+                                  finish_reason="abort", weight_version=self._version, weight_versions=[],
+                                  num_prompt_tokens=len(request.prompt_ids), engine_index=self.index)
+            return
         seq = _Seq(request, self._rng(request),
                    f"weights-{self._version}" if self.config.enable_prefix_caching else f"no-cache-{id(request)}")
         self._by_id[request.request_id] = seq
@@ -487,6 +494,11 @@ class SimulatedEngine(RefitSteps):
 
     async def abort_rollout(self, rollout_id: str) -> int:
         """As ``EngineReplica.abort_rollout``: every running request of ``rollout_id`` ends with abort."""
+        now = time.monotonic()
+        self._aborted_rollouts[rollout_id] = now
+        for rid, at in list(self._aborted_rollouts.items()):
+            if now - at > ABORT_MEMORY_S:
+                del self._aborted_rollouts[rid]
         seqs = [s for s in self._by_id.values() if s.request.rollout_id == rollout_id]
         for seq in seqs:
             self._finish(seq, "abort")

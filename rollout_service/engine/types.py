@@ -95,6 +95,9 @@ class ScoreResult:
     supported: bool = True
 
 
+ABORT_MEMORY_S = 600.0  # how long an engine remembers an aborted rollout (abort_rollout)
+
+
 def spans_up_to(spans, n: int) -> list[tuple[str, int, int]]:
     """``(version, start, end)`` spans cut to the first ``n`` generated ids."""
     return [(v, s, min(e, n)) for v, s, e in spans if s < n]
