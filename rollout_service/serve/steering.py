@@ -45,8 +45,7 @@ class RolloutSteering:
     async def admit(self, state: RolloutState | None, req: TurnRequest) -> None:
         """Refuse a call of an aborted rollout (409 rollout_aborted) or of one past its staleness
         bound (409 rollout_stale, the status marked); nothing is generated or stored either way.
-        Before refusing for staleness, the fleet's view is read afresh: a replica's copy follows the
-        fleet within its watch interval, and a version committed since must not look unknown."""
+        Under a bound, the fleet's view is read afresh first."""
         if state is None or req.rollout_id is None:
             return
         if state.status == "aborted":
@@ -58,13 +57,15 @@ class RolloutSteering:
         view = self.fleet.view
         if oldest is None or view is None:
             return
-        lag = view.lag(oldest)
-        if bound is not None and (lag is None or lag > bound):
+        if bound is not None:
+            # The replica's copy follows the fleet within its watch interval, and a committed refit does
+            # not wake the watch: a bounded call reads the fleet's view afresh (one actor call per call
+            # of a rollout under a bound), so a copy from before the last refits cannot under-count.
             try:
                 view = await self.fleet.refresh()
             except Exception as exc:  # the fleet restarting: judge on the copy at hand
                 logger.warning("staleness check on a possibly old fleet view: %s", exc)
-            lag = view.lag(oldest)
+        lag = view.lag(oldest)
         known = lag is not None
         if not known:  # older than the fleet remembers (or never served here): past any bound it knows
             lag = len(view.versions)
