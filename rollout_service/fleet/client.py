@@ -25,6 +25,7 @@ from rollout_service.engine.types import GenerateRequest
 from rollout_service.fleet.migration import Progress, unmovable
 from rollout_service.fleet.routing import Route, RoutingPolicy, Sticky, group_home, least_loaded, load_of
 from rollout_service.fleet.types import (
+    abort_rollout_on,
     EngineCallDeadline,
     EngineLostDuringCall,
     FleetView,
@@ -296,16 +297,7 @@ class FleetClient:
         """Abort the requests of ``rollout_id`` on every engine serving now (each ends at its engine's
         next step with finish_reason abort); how many were running. An engine that does not answer
         within ``timeout_s`` counts none (a dead one runs nothing)."""
-        members = self.view.members if self.view is not None else ()
-
-        async def one(m: Member) -> int:
-            try:
-                return int(await asyncio.wait_for(m.handle.abort_rollout.remote(rollout_id), timeout_s))
-            except Exception as exc:
-                logger.warning("abort of rollout %s on engine slot %d: %s", rollout_id, m.slot, exc)
-                return 0
-
-        return sum(await asyncio.gather(*[one(m) for m in members]))
+        return await abort_rollout_on(self.view.members if self.view is not None else (), rollout_id, timeout_s)
 
     def close_channels(self) -> None:
         for channel in self.channels.values():

@@ -125,3 +125,23 @@ def actor_identity() -> tuple[str | None, bool]:
             return ctx.get_actor_name() or None, bool(ctx.was_current_actor_reconstructed)
     except Exception:
         return None, False
+
+
+ABORT_CALL_TIMEOUT_S = 5.0  # an engine that does not answer an abort in this long runs nothing worth waiting for
+
+
+async def abort_rollout_on(members, rollout_id: str, timeout_s: float = ABORT_CALL_TIMEOUT_S) -> int:
+    """Ask each of ``members``' engines to abort the requests of ``rollout_id`` (each ends at its
+    engine's next step with finish_reason abort); how many were running. An engine that fails or
+    does not answer within ``timeout_s`` counts none. The data plane's and the controller's abort."""
+    import asyncio
+    import logging
+
+    async def one(m: Member) -> int:
+        try:
+            return int(await asyncio.wait_for(m.handle.abort_rollout.remote(rollout_id), timeout_s))
+        except Exception as exc:
+            logging.getLogger(__name__).warning("abort of rollout %s on engine slot %d: %s", rollout_id, m.slot, exc)
+            return 0
+
+    return sum(await asyncio.gather(*[one(m) for m in members]))

@@ -392,6 +392,8 @@ class TrainerClient(NcclTrainer):
         from rollout_service.store.base import validate_rollout_id
 
         validate_rollout_id(rollout_id)
+        if reason is not None and (not isinstance(reason, str) or len(reason) > 512):
+            raise ValueError("reason must be a string of at most 512 characters (as POST /v1/rollouts/{id}/abort takes)")
         return await aget((await self._acontroller()).abort_rollout.remote(rollout_id, reason), 60)
 
     def weights_checksums(self) -> list[str]:

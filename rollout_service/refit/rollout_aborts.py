@@ -7,17 +7,12 @@ stored). A mixin of :class:`~rollout_service.refit.controller.RefitController`.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from typing import TYPE_CHECKING, Any
+
+from rollout_service.fleet.types import abort_rollout_on
 
 if TYPE_CHECKING:
     from rollout_service.config import RolloutServiceConfig
-
-logger = logging.getLogger(__name__)
-
-ENGINE_ABORT_TIMEOUT_S = 5.0  # an engine that does not answer in this long runs nothing worth waiting for
-
 
 class RolloutAborts:
     config: RolloutServiceConfig
@@ -32,22 +27,10 @@ class RolloutAborts:
             fresh = await store.mark(rollout_id, "aborted", reason or "")
             if fresh is None:
                 return None
-            aborted = await self._abort_on_engines(rollout_id)
+            aborted = await abort_rollout_on((await self._view()).members, rollout_id)
             state = await store.load(rollout_id)
         finally:
             await store.close()
         return {"id": rollout_id, "object": "rollout.abort", "status": "aborted",
                 "reason": state.status_reason if state is not None else reason, "already_aborted": not fresh,
                 "aborted_calls": aborted}
-
-    async def _abort_on_engines(self, rollout_id: str) -> int:
-        view = await self._view()
-
-        async def one(m) -> int:
-            try:
-                return int(await asyncio.wait_for(m.handle.abort_rollout.remote(rollout_id), ENGINE_ABORT_TIMEOUT_S))
-            except Exception as exc:
-                logger.warning("abort of rollout %s on engine slot %d: %s", rollout_id, m.slot, exc)
-                return 0
-
-        return sum(await asyncio.gather(*[one(m) for m in view.members]))
