@@ -49,6 +49,16 @@ def parser_class(reasoning_parser: str | None, tool_parser: str | None, key: "To
     )
 
 
+def count_reasoning_tokens(gen_ids: list[int], *, tokenizer: Any, reasoning_parser: str,
+                           chat_template_kwargs: dict[str, Any] | None = None) -> int:
+    """How many generated ids are reasoning, as vLLM's server counts them for
+    ``usage.completion_tokens_details.reasoning_tokens``: the call's reasoning parser (built with
+    the call's template arguments: thinking on or off) counts them on the ids alone."""
+    tok = vllm_tokenizer(tokenizer)
+    parser = parser_class(reasoning_parser, None, TokenizerKey(tok))(tok, None, chat_template_kwargs=dict(chat_template_kwargs or {}))
+    return int(parser.count_reasoning_tokens(list(gen_ids)))
+
+
 CACHED_TOKENIZERS: dict[int, Any] = {}
 
 
@@ -95,6 +105,7 @@ def parse_output(
     stop_token_ids: frozenset[int] | set[int] | None = None,
     parallel_tool_calls: bool | None = None,
     strict_level: str = "auto",
+    stop_string: tuple[str, bool] | None = None,
 ) -> AssistantOutput:
     """Split generated ids into content, reasoning and OpenAI-shaped tool calls.
 
@@ -103,6 +114,9 @@ def parse_output(
     reasoning. ``prompt_ids`` lets parsers that inspect the prompt (an open ``<think>`` at its
     end) see it, as vLLM's server does. Like vLLM's detokenizer, a final stop token (by default
     any special token, e.g. ``<|im_end|>``) is not part of the parsed text; it stays in the ids.
+    ``stop_string`` (the stop string that ended the generation, whether it stays in the text): the
+    text is cut where vLLM's detokenizer cuts it (:func:`stop_string_end`) before it is parsed; the
+    ids stay whole.
     """
     gen_ids = [int(t) for t in gen_ids]
     tokenizer = vllm_tokenizer(tokenizer)
@@ -117,11 +131,11 @@ def parse_output(
         parser_cls = parser_class(reasoning_parser, tool_parser, TokenizerKey(tokenizer), strict_level)
     request = _call_request(tools, tool_choice, parallel_tool_calls, chat_template_kwargs=kwargs or None)
     if parser_cls is None:
-        text = tokenizer.decode(text_ids, skip_special_tokens=True)
+        text = generation_text(tokenizer, text_ids, True, stop_string)
         return AssistantOutput(content=text, reasoning_content=None, tool_calls=[], text=text)
     parser = parser_cls(tokenizer, request.tools, chat_template_kwargs=kwargs)
     request = parser.adjust_request(request)
-    text = tokenizer.decode(text_ids, skip_special_tokens=request.skip_special_tokens)
+    text = generation_text(tokenizer, text_ids, request.skip_special_tokens, stop_string)
     if prompt_ids is not None:
         parser.set_prompt_token_ids(prompt_ids)
     reasoning, content, calls = parser.parse(
@@ -136,6 +150,28 @@ def parse_output(
         for c in (calls or [])
     ]
     return AssistantOutput(content=content, reasoning_content=reasoning, tool_calls=tool_calls, text=text)
+
+
+def stop_string_end(text: str, before: int, stop: str, include: bool) -> int:
+    """Where vLLM's detokenizer ends the text of a generation that a stop string ended: at the start
+    of the stop string (at its end with ``include_stop_str_in_output``). The match is the one the
+    last step completed, searched from ``before`` (the length of the text before that step) less
+    all but one of the stop string's characters; the characters of the last token after the match
+    are cut too (the ids keep the token)."""
+    at = text.find(stop, max(0, before + 1 - len(stop)))
+    if at < 0:  # not in this text (a stop string matched across a migration seam): nothing to cut
+        return len(text)
+    return at + len(stop) if include else at
+
+
+def generation_text(tokenizer: Any, ids: list[int], skip_special_tokens: bool,
+                    stop_string: tuple[str, bool] | None = None) -> str:
+    """The text of generated ``ids`` as vLLM returns it: cut at the stop string that ended them."""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if stop_string is None or not ids:
+        return text
+    before = len(tokenizer.decode(ids[:-1], skip_special_tokens=skip_special_tokens))
+    return text[:stop_string_end(text, before, *stop_string)]
 
 
 def structured_outputs_for(

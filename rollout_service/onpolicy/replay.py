@@ -45,11 +45,17 @@ class NotReplayable(OnPolicyError, LookupError):
     code = "not_replayable"
 
 
-def stored_answer(message: dict[str, Any], *, stop_reason: int | str | None = None) -> dict[str, Any]:
+def stored_answer(message: dict[str, Any], *, stop_reason: int | str | None = None,
+                  text_cut: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``TurnRecord.answer`` of a call: the assistant message exactly as returned to the client
     (content, reasoning_content, tool_calls with their ids, ...) and the engine's ``stop_reason``
-    (the stop string or token id that ended the generation, None otherwise)."""
-    return {"message": copy.deepcopy(message), "stop_reason": stop_reason}
+    (the stop string or token id that ended the generation, None otherwise). ``text_cut`` marks a
+    message whose text a stop string cut short of its ids (``{"stop": s, "included": bool}``: the
+    text ends before ``s``, or after it when included; the ids keep every sampled token)."""
+    answer = {"message": copy.deepcopy(message), "stop_reason": stop_reason}
+    if text_cut is not None:
+        answer["text_cut"] = dict(text_cut)
+    return answer
 
 
 @dataclass

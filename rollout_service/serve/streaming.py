@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollout_service.onpolicy.parsing import stop_string_end
+
 TOOL_CALL_MARKER = "<tool_call>"
 
 
 class StreamParser:
     def __init__(self, tokenizer: Any, *, reasoning_parser: str | None, chat_template_kwargs: dict[str, Any] | None,
-                 prompt_ids: list[int], hold_tool_calls: bool, silent: bool = False):
+                 prompt_ids: list[int], hold_tool_calls: bool, silent: bool = False,
+                 stop: list[str] | None = None, include_stop: bool = False):
         from tokenizers.decoders import DecodeStream
 
         self._tok = tokenizer
@@ -29,6 +32,14 @@ class StreamParser:
         self._silent = silent  # forced tool calls: nothing streams, the call arrives parsed
         self._held = ""  # content not sent yet: a possible start of the marker, or trailing newlines
         self._tool_started = False
+        # Stop strings, as vLLM's detokenizer streams them: all but the last (longest - 1) characters
+        # go out while generating (those could begin a stop string), and the end is cut at the stop
+        # string that ended the call (with include_stop, at its end, and nothing is held back).
+        self._stop = [x for x in (stop or []) if x]
+        self._include_stop = include_stop
+        self._hold_chars = 0 if include_stop or not self._stop else max(len(x) for x in self._stop) - 1
+        self._text = ""
+        self._sent = 0
         self._parser = None
         self._request = None
         if reasoning_parser and not silent:
@@ -43,11 +54,14 @@ class StreamParser:
             self._parser = parser_class(reasoning_parser, None, TokenizerKey(vtok))(vtok, None, chat_template_kwargs=kwargs)
             self._request = self._parser.adjust_request(request)
 
-    def push(self, ids: list[int], finished: bool = False) -> tuple[str, str]:
-        """Feed new ids; return (reasoning, content) text they completed."""
+    def push(self, ids: list[int], finished: bool = False, stop_reason: int | str | None = None) -> tuple[str, str]:
+        """Feed new ids (``finished``: the call's last; ``stop_reason``: what ended it); return the
+        (reasoning, content) text they completed."""
         if self._silent:
             return "", ""
         text = (self._decoder.step(self._tok._tokenizer, list(ids)) or "") if ids else ""
+        if self._stop:
+            text = self._released(text, finished, stop_reason)
         if self._parser is None:
             reasoning, content = "", text
         else:
@@ -56,6 +70,19 @@ class StreamParser:
             reasoning = (delta.reasoning or "") if delta else ""
             content = (delta.content or "") if delta else ""
         return reasoning, self._filter(content, finished)
+
+    def _released(self, text: str, finished: bool, stop_reason: int | str | None) -> str:
+        before = len(self._text)
+        self._text += text
+        if finished and isinstance(stop_reason, str):
+            end = stop_string_end(self._text, before, stop_reason, self._include_stop)
+        elif finished:
+            end = len(self._text)
+        else:
+            end = len(self._text) - self._hold_chars
+        out = self._text[self._sent:end] if end > self._sent else ""
+        self._sent = max(self._sent, end)
+        return out
 
     def _filter(self, content: str, finished: bool) -> str:
         """With tools on, hold back the tool-call text (and what may be its start) until it is known."""

@@ -117,7 +117,7 @@ class TokenDelta:
     top_logprobs: list[dict[int, float]] | None = None
     reasoning: str = ""
     content: str = ""
-    token_strs: dict[int, str] | None = None
+    token_strs: list[dict[int, str]] | None = None  # per position: the sampled id's text and its alternatives'
     prompt_token_ids: list[int] | None = None  # on a call's first delta only (streamed first, as vLLM does)
 
 
@@ -136,11 +136,12 @@ class TurnResult:
     top_logprobs: list[dict[int, float]] | None = None
     text: str = ""  # completions: the decoded generation
     engine_index: int | None = None
-    token_strs: dict[int, str] | None = None
+    token_strs: list[dict[int, str]] | None = None  # per position: the sampled id's text and its alternatives'
     replayed: bool = False
     replica: str | None = None  # the replica that ran the turn (its owner, or where a fallback ran it)
     # Forwarded, given up, run where it arrived; why: 'not-accepted' in time, or its stream went 'silent'
     forward_fallback: str | None = None
+    reasoning_tokens: int | None = None  # generated ids inside reasoning, counted by the reasoning parser
 
     @property
     def usage(self) -> dict[str, int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from rollout_service.onpolicy import (
     parse_output,
     state_from_echo,
 )
+from rollout_service.onpolicy.parsing import count_reasoning_tokens, generation_text
 from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_turn, stored_answer
 from rollout_service.onpolicy.echo import checked_echo
 from rollout_service.onpolicy.errors import InvalidEcho, InvalidPrefix, PrefixNotContinuable
@@ -65,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 _CLIENT_ERRORS = (HistoryConflict, UnsupportedConversation, InvalidEcho, InvalidPrefix, PrefixNotContinuable)
 
+UTF8_CONTEXT = 4  # sampled ids before a token that can hold the rest of its UTF-8 character
+REPLACEMENT_CHAR = "\ufffd"
 REPLAY_WAIT_S = 600.0  # a retry waits at most this long for the original call still in flight
 
 
@@ -229,11 +233,36 @@ class TurnRunner(RolloutReads, RolloutSteering):
         except HistoryConflict as exc:
             raise http_error(exc) from None
 
-    def token_strs(self, ids, tops=None) -> dict[int, str]:
-        wanted = set(ids)
-        for top in tops or []:
-            wanted.update(top or {})
-        return {int(i): self.tokenizer.decode([int(i)]) for i in wanted}
+    def token_strs(self, ids, tops=None, context=()) -> list[dict[int, str]]:
+        """Per position, the text of the sampled id and of its alternatives as vLLM's logprobs name them:
+        each token decoded alone, except that a token ending in half a UTF-8 character is decoded
+        after the sampled ids before it (``context``: the generation's ids before ``ids``), which
+        completes the character or leaves it empty."""
+        out: list[dict[int, str]] = []
+        before = [int(t) for t in context][-UTF8_CONTEXT:]
+        for i, tid in enumerate(ids):
+            alts = [int(tid), *(int(t) for t in ((tops[i] if tops and i < len(tops) else None) or {}) if t != tid)]
+            out.append({t: self._token_text(t, before) for t in alts})
+            before = (before + [int(tid)])[-UTF8_CONTEXT:]
+        return out
+
+    def _token_text(self, tid: int, before: list[int]) -> str:
+        alone = self.tokenizer.decode([tid])
+        if not alone.endswith(REPLACEMENT_CHAR):
+            return alone
+        for n in range(1, len(before) + 1):
+            ctx = before[-n:]
+            whole = self.tokenizer.decode(ctx + [tid])
+            if whole.endswith(REPLACEMENT_CHAR):
+                continue
+            # The context's own unfinished bytes (tokens that read as empty) belong to this token's text.
+            clean = len(ctx)
+            while clean > 0 and self.tokenizer.decode([ctx[clean - 1]]).endswith(REPLACEMENT_CHAR):
+                clean -= 1
+            prefix = self.tokenizer.decode(ctx[:clean]) if clean else ""
+            common = len(os.path.commonprefix([prefix, whole]))
+            return whole[common:]
+        return ""
 
     # ------------------------------------------------------------------ a call
     def run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
@@ -360,7 +389,8 @@ class TurnRunner(RolloutReads, RolloutSteering):
         streamer = StreamParser(self.tokenizer, reasoning_parser=reasoning_parser,
                                 chat_template_kwargs=self._template_kwargs(req), prompt_ids=plan.prompt_ids,
                                 hold_tool_calls=parse_tools and not json_forced,
-                                silent=json_forced) if req.stream and not tokens_in else None
+                                silent=json_forced, stop=sampling.stop,
+                                include_stop=sampling.include_stop_str_in_output) if req.stream and not tokens_in else None
 
         ids: list[int] = []
         lps: list[float] = []
@@ -379,11 +409,14 @@ class TurnRunner(RolloutReads, RolloutSteering):
                 tops += chunk.top_logprobs
             final_chunk = chunk
             if streamer is not None and (chunk.token_ids or chunk.finish_reason):
-                reasoning, content = streamer.push(chunk.token_ids, finished=chunk.finish_reason is not None)
+                reasoning, content = streamer.push(chunk.token_ids, finished=chunk.finish_reason is not None,
+                                                   stop_reason=chunk.stop_reason)
                 if chunk.token_ids or reasoning or content:
                     yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
                                      reasoning=reasoning, content=content,
-                                     token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs) if req.want_token_strs else None,
+                                     token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs,
+                                                                ids[:len(ids) - len(chunk.token_ids)])
+                                     if req.want_token_strs else None,
                                      prompt_token_ids=None if prompt_sent else plan.prompt_ids)
                     prompt_sent = True
             elif tokens_in and req.stream and (chunk.token_ids or chunk.finish_reason):
@@ -393,9 +426,15 @@ class TurnRunner(RolloutReads, RolloutSteering):
         assert final_chunk is not None
         finish_reason = final_chunk.finish_reason or "stop"
 
+        # A stop string ends the text where vLLM's detokenizer ends it; the ids (and the stored turn) stay whole.
+        stop_string = ((final_chunk.stop_reason, sampling.include_stop_str_in_output)
+                       if isinstance(final_chunk.stop_reason, str) else None)
         message = ({"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=False)} if tokens_in
-                   else self._parse(ids, req, plan.prompt_ids, parse_tools, json_forced, reasoning_parser))
-        if message.get("tool_calls") and finish_reason == "stop":
+                   else self._parse(ids, req, plan.prompt_ids, parse_tools, json_forced, reasoning_parser, stop_string))
+        # vLLM's rule: a named tool_choice ends "stop" (as OpenAI's); required ends "tool_calls" even
+        # if nothing parsed; auto when calls were parsed.
+        if finish_reason == "stop" and (req.tool_choice.mode == "required"
+                                        or (req.tool_choice.mode != "named" and message.get("tool_calls"))):
             finish_reason = "tool_calls"
         spans = [WeightSpan(v, s, e, None if kv == v else kv)
                  for v, s, e, kv in kv_spans(final_chunk.weight_versions or [], final_chunk.kv_resets,
@@ -408,7 +447,9 @@ class TurnRunner(RolloutReads, RolloutSteering):
         if rollout_id is not None:
             delta.record.request_digest = digest
             delta.record.idempotency_key = req.idempotency_key
-            delta.record.answer = stored_answer(message, stop_reason=final_chunk.stop_reason)
+            delta.record.answer = stored_answer(
+                message, stop_reason=final_chunk.stop_reason,
+                text_cut={"stop": stop_string[0], "included": stop_string[1]} if stop_string and not tokens_in else None)
             delta.record.constrained = constrained
             delta.record.migrations = final_chunk.migrations
         if rollout_id is not None:
@@ -425,6 +466,10 @@ class TurnRunner(RolloutReads, RolloutSteering):
             if rollout_id is not None else None,
             engine_index=final_chunk.engine_index,
             token_strs=self.token_strs(ids, tops) if req.want_token_strs else None,
+            reasoning_tokens=count_reasoning_tokens(ids, tokenizer=self.tokenizer,
+                                                    reasoning_parser=self.config.chat.reasoning_parser,
+                                                    chat_template_kwargs=self._template_kwargs(req))
+            if self.config.chat.reasoning_parser and not tokens_in else None,
         )
 
     async def _append(self, rollout_id: str, delta, expected_turn: int) -> None:
@@ -434,15 +479,17 @@ class TurnRunner(RolloutReads, RolloutSteering):
             raise http_error(exc) from None
 
     def _parse(self, ids: list[int], req: TurnRequest, prompt_ids: list[int], parse_tools: bool,
-               json_forced: bool, reasoning_parser: str | None) -> dict[str, Any]:
+               json_forced: bool, reasoning_parser: str | None,
+               stop_string: tuple[str, bool] | None) -> dict[str, Any]:
         if json_forced:
-            return parse_forced(self.tokenizer.decode(ids, skip_special_tokens=True), req.tool_choice)
+            return parse_forced(generation_text(self.tokenizer, ids, True, stop_string), req.tool_choice)
         ec = self.config.chat
         out = parse_output(ids, tokenizer=self.tokenizer, reasoning_parser=reasoning_parser,
                            tool_parser=ec.tool_parser if parse_tools else None, tools=req.tools,
                            tool_choice=vllm_tool_choice(req) if parse_tools else "auto",
                            parallel_tool_calls=req.parallel_tool_calls, strict_level=ec.tool_strict_level,
-                           chat_template_kwargs=self._template_kwargs(req), prompt_ids=prompt_ids)
+                           chat_template_kwargs=self._template_kwargs(req), prompt_ids=prompt_ids,
+                           stop_string=stop_string)
         message: dict[str, Any] = {"role": "assistant", "content": out.content or "",
                                    "reasoning_content": out.reasoning_content}
         if out.tool_calls:
@@ -463,22 +510,31 @@ class TurnRunner(RolloutReads, RolloutSteering):
         sampling = self._sampling(call.sampling, call.top_logprobs)
         max_tokens = self._max_tokens(call.max_tokens, len(ids_in))
         decoder = StreamParser(self.tokenizer, reasoning_parser=None, chat_template_kwargs=None, prompt_ids=ids_in,
-                               hold_tool_calls=False) if call.stream else None
+                               hold_tool_calls=False, stop=sampling.stop,
+                               include_stop=sampling.include_stop_str_in_output) if call.stream else None
         ids, lps, tops, final = [], [], [], None
+        prompt_sent = False
         async for chunk in self._generate(None, ids_in, sampling, max_tokens, stream=call.stream):
             ids += chunk.token_ids
             lps += chunk.logprobs
             tops += chunk.top_logprobs or []
             final = chunk
-            if decoder is not None and chunk.token_ids:
-                _, text = decoder.push(chunk.token_ids)
-                yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
-                                 content=text,
-                                 token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs) if call.want_token_strs else None)
+            if decoder is not None and (chunk.token_ids or chunk.finish_reason):
+                _, text = decoder.push(chunk.token_ids, finished=chunk.finish_reason is not None,
+                                       stop_reason=chunk.stop_reason)
+                if chunk.token_ids or text:
+                    yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
+                                     content=text, prompt_token_ids=None if prompt_sent else ids_in,
+                                     token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs,
+                                                                ids[:len(ids) - len(chunk.token_ids)])
+                                     if call.want_token_strs else None)
+                    prompt_sent = True
+        stop_string = ((final.stop_reason, sampling.include_stop_str_in_output)
+                       if isinstance(final.stop_reason, str) else None)
         yield TurnResult(
             prompt_token_ids=ids_in, generation_token_ids=ids, generation_log_probs=lps, top_logprobs=tops or None,
             finish_reason=final.finish_reason or "stop", stop_reason=final.stop_reason, message={},
-            text=self.tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens),
+            text=generation_text(self.tokenizer, ids, sampling.skip_special_tokens, stop_string),
             weight_versions=[{"version": v, "start": s, "end": e, "kv_version": kv}
                              for v, s, e, kv in kv_spans(final.weight_versions or [], final.kv_resets, final.kv_base)],
             engine_index=final.engine_index, token_strs=self.token_strs(ids, tops) if call.want_token_strs else None,

@@ -15,7 +15,6 @@ from openai.types.chat import chat_completion as cc
 from openai.types.chat import chat_completion_chunk as ch
 from openai.types.chat.chat_completion_message import ChatCompletionMessage
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
-from openai.types.completion_usage import CompletionUsage
 
 from rollout_service.serve.protocol.openai import (
     CHAT_UNHONOURED,
@@ -25,14 +24,23 @@ from rollout_service.serve.protocol.openai import (
     response_format_dict,
     template_kwargs,
 )
-from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, error_event, sse, token_logprobs, tool_choice_of
+from rollout_service.serve.dialects.common import (
+    RolloutHeaders,
+    allowed_tools,
+    error_event,
+    sse,
+    token_logprobs,
+    tool_choice_of,
+    usage_of,
+)
 
 error_frame = error_event
 from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
 
 
 class RolloutMessage(ChatCompletionMessage):
-    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM 0.32's name
+    reasoning_content: str | None = None  # the earlier name, kept for clients that read it
     prompt_token_ids: list[int]
     generation_token_ids: list[int]
     generation_log_probs: list[float]
@@ -45,20 +53,29 @@ class RolloutChoice(cc.Choice):
     message: RolloutMessage
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    routed_experts: Any = None
 
 
 class RolloutChatCompletion(cc.ChatCompletion):
     choices: list[RolloutChoice]
+    prompt_logprobs: list | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 class RolloutDelta(ch.ChoiceDelta):
+    reasoning: str | None = None
     reasoning_content: str | None = None
 
 
 class RolloutChunkChoice(ch.Choice):
     finish_reason: str | None = None
     delta: RolloutDelta
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class RolloutChunk(ch.ChatCompletionChunk):
@@ -92,40 +109,43 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
     )
 
 
-def _logprobs(ids, lps, tops, strs, as_ids: bool) -> cc.ChoiceLogprobs:
+def _logprobs(ids, lps, tops, strs, as_ids: bool, k: int) -> cc.ChoiceLogprobs:
     return cc.ChoiceLogprobs(content=[ChatCompletionTokenLogprob.model_validate(entry)
-                                      for entry in token_logprobs(ids, lps, tops, strs, as_ids)])
-
-
-def _usage(result: TurnResult) -> CompletionUsage:
-    return CompletionUsage(**result.usage)
+                                      for entry in token_logprobs(ids, lps, tops, strs, as_ids, k)])
 
 
 def response(result: TurnResult, req: ChatCompletionRequest, model: str) -> RolloutChatCompletion:
     msg = result.message
+    # vLLM answers a forced call (required / named) with content "" rather than null.
+    forced = bool(req.tools) and req.tool_choice not in (None, "auto", "none") and tool_choice_of(
+        req.tool_choice, [t.model_dump(exclude_none=True) for t in req.tools]).mode in ("required", "named")
+    reasoning = msg.get("reasoning_content") or None
     message = RolloutMessage(
-        role="assistant", content=msg.get("content") or None, reasoning_content=msg.get("reasoning_content") or None,
-        tool_calls=msg.get("tool_calls") or None,
+        role="assistant", content=msg.get("content") or ("" if forced else None), reasoning=reasoning,
+        reasoning_content=reasoning, tool_calls=msg.get("tool_calls") or None, refusal=None, annotations=None,
+        audio=None, function_call=None,
         prompt_token_ids=result.prompt_token_ids, generation_token_ids=result.generation_token_ids,
         generation_log_probs=result.generation_log_probs, weight_versions=result.weight_versions, rollout=result.rollout,
     )
     choice = RolloutChoice(
         index=0, message=message, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
         logprobs=_logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
-                           result.token_strs, bool(req.return_tokens_as_token_ids)) if req.logprobs else None,
-        token_ids=result.generation_token_ids if req.return_token_ids else None,
+                           result.token_strs, bool(req.return_tokens_as_token_ids), req.top_logprobs or 0)
+        if req.logprobs else None,
+        token_ids=result.generation_token_ids if req.return_token_ids else None, routed_experts=None,
     )
     return RolloutChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion", created=int(time.time()), model=model,
-        choices=[choice], usage=_usage(result),
-        prompt_token_ids=result.prompt_token_ids if req.return_token_ids else None,
+        choices=[choice], usage=usage_of(result), service_tier=None, system_fingerprint=None, prompt_logprobs=None,
+        prompt_token_ids=result.prompt_token_ids if req.return_token_ids else None, prompt_text=None,
+        kv_transfer_params=None, ec_transfer_params=None, metrics=None,
     )
 
 
 async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model: str) -> AsyncIterator[bytes]:
-    """SSE chunks: the role, then content / reasoning deltas, then tool calls, the finish reason and
-    our fields on the last chunk, usage if asked, ``[DONE]``. An error after the first byte is an
-    error event (the status line is already sent)."""
+    """SSE chunks as vLLM's: the role, then content / reasoning deltas, the last of them with the finish
+    and stop reasons (and the tool calls and our fields), usage if asked, ``[DONE]``. An error after
+    the first byte is an error event (the status line is already sent)."""
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     as_ids = bool(req.return_tokens_as_token_ids)
 
@@ -135,37 +155,50 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
         body = RolloutChunk(id=cid, object="chat.completion.chunk", created=created, model=model, choices=[choice], **top)
         return _frame(body)
 
+    def delta_of(event: TokenDelta | None) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+        if event is None:
+            return {}, None, ({"token_ids": []} if req.return_token_ids else {})
+        delta: dict[str, Any] = {}
+        if event.reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = event.reasoning
+        if event.content:
+            delta["content"] = event.content
+        lp = (_logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs, as_ids,
+                        req.top_logprobs or 0) if req.logprobs else None)
+        return delta, lp, ({"token_ids": event.token_ids} if req.return_token_ids else {})
+
     yield chunk({"role": "assistant", "content": ""},
                 prompt=getattr(first, "prompt_token_ids", None) if req.return_token_ids else None)
+    pending: TokenDelta | None = None  # held one event: the last step's text goes out with the finish reason
     event = first
     try:
         while True:
             if isinstance(event, TokenDelta):
-                delta: dict[str, Any] = {}
-                if event.reasoning:
-                    delta["reasoning_content"] = event.reasoning
-                if event.content:
-                    delta["content"] = event.content
-                lp = _logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs, as_ids) if req.logprobs else None
-                extra = {"token_ids": event.token_ids} if req.return_token_ids else {}
-                yield chunk(delta, logprobs=lp, **extra)
+                if pending is not None:
+                    delta, lp, extra = delta_of(pending)
+                    yield chunk(delta, logprobs=lp, **extra)
+                pending = event
             else:
                 result: TurnResult = event
-                delta = {}
+                delta, lp, extra = delta_of(pending)
+                pending = None
                 if result.message.get("tool_calls"):
                     delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(result.message["tool_calls"])]
                 for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "weight_versions", "rollout"):
                     delta[k] = getattr(result, k)
-                yield chunk(delta, finish=result.finish_reason)
+                yield chunk(delta, finish=result.finish_reason, logprobs=lp, stop_reason=result.stop_reason, **extra)
                 if (req.stream_options or {}).get("include_usage"):
                     body = RolloutChunk(id=cid, object="chat.completion.chunk", created=created, model=model, choices=[],
-                                        usage=_usage(result))
+                                        usage=usage_of(result, stream=True))
                     yield _frame(body)
                 break
             event = await events.__anext__()
     except StopAsyncIteration:
         pass
     except ServiceError as exc:
+        if pending is not None:
+            delta, lp, extra = delta_of(pending)
+            yield chunk(delta, logprobs=lp, **extra)
         yield error_event(exc)
     yield b"data: [DONE]\n\n"
 

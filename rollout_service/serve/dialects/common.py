@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Header, Path, Request
+from openai.types.completion_usage import CompletionUsage
 from pydantic import BaseModel
 
 from rollout_service.serve.errors import http_error
@@ -188,17 +189,38 @@ def error_event(exc: ServiceError) -> bytes:
     return sse(exc.envelope())
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's JSON for a logprob of -inf (a token the sampler filtered out)
+
+
+def clamped(logprob: float | None) -> float | None:
+    return logprob if logprob is None else max(logprob, LOGPROB_FLOOR)
+
+
+def usage_of(result: Any, *, stream: bool = False) -> CompletionUsage:
+    """vLLM's usage: with every detail key (null unless known) in an answer, the counts alone in a
+    stream's usage chunk; ``completion_tokens_details.reasoning_tokens`` when a reasoning parser counted."""
+    details = ({"reasoning_tokens": result.reasoning_tokens}
+               if getattr(result, "reasoning_tokens", None) is not None else None)
+    if stream:
+        return CompletionUsage(**result.usage, **({"completion_tokens_details": details} if details else {}))
+    return CompletionUsage(**result.usage, prompt_tokens_details=None, completion_tokens_details=details)
+
+
 def token_str(strs: dict[int, str] | None, tid: int, as_ids: bool) -> str:
     return f"token_id:{tid}" if as_ids or strs is None else strs.get(tid, "")
 
 
-def token_logprobs(ids, lps, tops, strs: dict[int, str] | None, as_ids: bool = False) -> list[dict[str, Any]]:
+def token_logprobs(ids, lps, tops, strs: list[dict[int, str]] | None, as_ids: bool = False,
+                   k: int | None = None) -> list[dict[str, Any]]:
     """OpenAI's per-token logprob entries (token, logprob, UTF-8 bytes, alternatives), the shape of
-    chat's ``logprobs.content`` and of Responses' ``output_text.logprobs``."""
+    chat's ``logprobs.content`` and of Responses' ``output_text.logprobs``. The alternatives are
+    vLLM's: the sampled token first, then the others by rank, ``k`` in all (all there are if None)."""
     out = []
-    for tid, lp, top in zip(ids, lps, tops or [None] * len(ids)):
-        tok = token_str(strs, tid, as_ids)
-        alts = [{"token": (s := token_str(strs, t, as_ids)), "logprob": v, "bytes": list(s.encode())}
-                for t, v in (top or {}).items()]
-        out.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": alts})
+    positions = strs if strs is not None else [None] * len(ids)
+    for tid, lp, top, pos in zip(ids, lps, tops or [None] * len(ids), positions):
+        tok = token_str(pos, tid, as_ids)
+        ranked = [(tid, lp), *((t, v) for t, v in (top or {}).items() if t != tid)] if top else []
+        alts = [{"token": (s := token_str(pos, t, as_ids)), "logprob": clamped(v), "bytes": list(s.encode("utf-8", "replace"))}
+                for t, v in ranked[:k if k is not None else len(ranked)]]
+        out.append({"token": tok, "logprob": clamped(lp), "bytes": list(tok.encode("utf-8", "replace")), "top_logprobs": alts})
     return out

@@ -15,7 +15,7 @@ from openai.types import completion_choice as cc
 from openai.types.completion_usage import CompletionUsage
 
 from rollout_service.serve.protocol.openai import COMPLETION_UNHONOURED, CompletionRequest, ServiceError, refuse_unhonoured
-from rollout_service.serve.dialects.common import error_event
+from rollout_service.serve.dialects.common import clamped, error_event, usage_of
 
 error_frame = error_event
 from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnResult
@@ -23,14 +23,21 @@ from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnRes
 
 class RolloutCompletionChoice(cc.CompletionChoice):
     finish_reason: str | None = None  # vLLM's reasons include "abort"; None while streaming
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list | None = None
+    routed_experts: Any = None
     generation_log_probs: list[float] | None = None
     weight_versions: list[dict[str, Any]] | None = None
 
 
 class RolloutCompletion(co.Completion):
     choices: list[RolloutCompletionChoice]
+    service_tier: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
 
 
 def call(req: CompletionRequest) -> CompletionCall:
@@ -40,48 +47,85 @@ def call(req: CompletionRequest) -> CompletionCall:
                           top_logprobs=req.logprobs or 0, stream=req.stream, want_token_strs=req.logprobs is not None)
 
 
-def _logprobs(ids, lps, tops, strs) -> cc.Logprobs:
-    strs = strs or {}
-    return cc.Logprobs(tokens=[strs.get(t, "") for t in ids], token_logprobs=lps,
-                       top_logprobs=[{strs.get(t, str(t)): v for t, v in (top or {}).items()} for top in tops] if tops else None)
+def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> cc.Logprobs:
+    """vLLM's completions logprobs: per position the sampled token first, then the top ``k`` by rank
+    (the sampled one once), keyed by their text; ``text_offset`` counts the tokens' text from ``offset``."""
+    strs = strs or [{}] * len(ids)
+    tokens = [s.get(t, "") for t, s in zip(ids, strs)]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    top_logprobs = []
+    for tid, lp, top, s in zip(ids, lps, tops or [None] * len(ids), strs):
+        ranked = {tid: lp, **{t: v for t, v in (top or {}).items() if t != tid}}
+        top_logprobs.append({s.get(t, ""): clamped(v) for t, v in list(ranked.items())[:k + 1]})
+    return cc.Logprobs(text_offset=offsets, tokens=tokens, token_logprobs=[clamped(v) for v in lps],
+                       top_logprobs=top_logprobs)
 
 
 def response(result: TurnResult, req: CompletionRequest, model: str) -> RolloutCompletion:
+    ids_asked = bool(req.return_token_ids)
     choice = RolloutCompletionChoice(
-        index=0, text=result.text, finish_reason=result.finish_reason,
+        index=0, text=result.text, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
         logprobs=_logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
-                           result.token_strs) if req.logprobs is not None else None,
-        token_ids=result.generation_token_ids, prompt_token_ids=result.prompt_token_ids,
+                           result.token_strs, req.logprobs) if req.logprobs is not None else None,
+        token_ids=result.generation_token_ids if ids_asked else None,
+        prompt_token_ids=result.prompt_token_ids if ids_asked else None,
+        prompt_logprobs=None, routed_experts=None,
         generation_log_probs=result.generation_log_probs, weight_versions=result.weight_versions,
     )
     return RolloutCompletion(id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()),
-                             model=model, choices=[choice], usage=CompletionUsage(**result.usage))
+                             model=model, choices=[choice], usage=usage_of(result), service_tier=None,
+                             system_fingerprint=None, kv_transfer_params=None, ec_transfer_params=None, metrics=None)
 
 
 async def stream(first, events: AsyncIterator, req: CompletionRequest, model: str) -> AsyncIterator[bytes]:
+    """vLLM's chunks: one per engine step, the last one carrying the last step's text with the
+    finish and stop reasons (and our fields), then the usage chunk if ``stream_options`` asks."""
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    ids_asked = bool(req.return_token_ids)
+    offset = 0
 
-    def frame(choice: RolloutCompletionChoice) -> bytes:
-        body = RolloutCompletion(id=cid, object="text_completion", created=created, model=model, choices=[choice])
+    def frame(choice: RolloutCompletionChoice, usage=None) -> bytes:
+        body = RolloutCompletion(id=cid, object="text_completion", created=created, model=model,
+                                 choices=[choice] if choice is not None else [], **({"usage": usage} if usage else {}))
         return b"data: " + body.model_dump_json(exclude_unset=True).encode() + b"\n\n"
 
+    def delta_choice(event: TokenDelta | None, **final) -> RolloutCompletionChoice:
+        nonlocal offset
+        lp = None
+        if event is not None and req.logprobs is not None:
+            lp = _logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs, req.logprobs, offset)
+            offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else offset
+        return RolloutCompletionChoice(
+            index=0, text=event.content if event is not None else "", logprobs=lp,
+            finish_reason=final.pop("finish_reason", None), stop_reason=final.pop("stop_reason", None),
+            token_ids=(event.token_ids if event is not None else []) if ids_asked else None,
+            prompt_token_ids=event.prompt_token_ids if ids_asked and event is not None else None, **final)
+
+    pending: TokenDelta | None = None  # held one event: the last step's text goes out with the finish reason
     event = first
     try:
         while True:
             if isinstance(event, TokenDelta):
-                yield frame(RolloutCompletionChoice(
-                    index=0, text=event.content, finish_reason=None, token_ids=event.token_ids,
-                    logprobs=_logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs)
-                    if req.logprobs is not None else None))
+                if pending is not None:
+                    yield frame(delta_choice(pending))
+                pending = event
             else:
                 result: TurnResult = event
-                yield frame(RolloutCompletionChoice(
-                    index=0, text="", finish_reason=result.finish_reason, prompt_token_ids=result.prompt_token_ids,
-                    generation_log_probs=result.generation_log_probs, weight_versions=result.weight_versions))
+                yield frame(delta_choice(pending, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
+                                         generation_log_probs=result.generation_log_probs,
+                                         weight_versions=result.weight_versions))
+                pending = None
+                if (req.stream_options or {}).get("include_usage"):
+                    yield frame(None, usage=usage_of(result))
                 break
             event = await events.__anext__()
     except StopAsyncIteration:
         pass
     except ServiceError as exc:
+        if pending is not None:
+            yield frame(delta_choice(pending))
         yield error_event(exc)
     yield b"data: [DONE]\n\n"

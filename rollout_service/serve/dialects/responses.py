@@ -100,7 +100,7 @@ def _result_logprobs(result: TurnResult, req: ResponsesRequest) -> list[dict[str
     if not req.wants_logprobs():
         return []
     return token_logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
-                          result.token_strs)
+                          result.token_strs, k=req.top_logprobs or 0)
 
 
 def output_items(result: TurnResult, ids: _Ids, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -182,7 +182,7 @@ async def stream(first, events: AsyncIterator, req: ResponsesRequest, model: str
     try:
         while isinstance(event, TokenDelta):
             delta_logprobs = token_logprobs(event.token_ids, event.logprobs, event.top_logprobs,
-                                            event.token_strs) if wants_logprobs else []
+                                            event.token_strs, k=req.top_logprobs or 0) if wants_logprobs else []
             streamed_logprobs += delta_logprobs
             pending += delta_logprobs
             for kind, text in (("reasoning", event.reasoning), ("message", event.content)):

@@ -369,6 +369,15 @@ def template_kwargs(kwargs: dict[str, Any] | None, effort: str | None) -> dict[s
     return merged
 
 
+INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
+
+
+def stream_options_need_stream(stream_options: dict[str, Any] | None, stream: bool) -> None:
+    """vLLM's rule: ``stream_options`` (any non-empty value) only with ``stream: true``."""
+    if stream_options and not stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
+
+
 class SamplingFields(_Lenient):
     """Sampling fields shared by chat, responses and completions (OpenAI + vLLM extras)."""
 
@@ -387,6 +396,18 @@ class SamplingFields(_Lenient):
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, v):
+        # vLLM's bound and answer (a pydantic range error on body.seed); -1 is vLLM's "no seed".
+        for bound, kind, word in ((INT64_MAX, "less_than_equal", "less"), (INT64_MIN, "greater_than_equal", "greater")):
+            if (v > bound) if word == "less" else (v < bound):
+                key = "le" if word == "less" else "ge"
+                raise bad_request(f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.seed', 'msg': 'Input should be "
+                                  f"{word} than or equal to {bound}', 'input': '{v}', 'ctx': {{'{key}': {bound}}}}}",
+                                  param="body.seed")
+        return v
 
     def sampling_kwargs(self) -> dict[str, Any]:
         keys = ("n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
@@ -428,6 +449,7 @@ class ChatCompletionRequest(SamplingFields):
     def _checks(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        stream_options_need_stream(self.stream_options, self.stream)
         return self
 
 
@@ -442,8 +464,14 @@ class CompletionRequest(SamplingFields):
          "minItems": 1, "maxItems": 1},
     ]})]
     stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
     logprobs: StrictInt | None = None
     return_token_ids: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _checks(self):
+        stream_options_need_stream(self.stream_options, self.stream)
+        return self
 
     @field_validator("prompt")
     @classmethod

@@ -1,0 +1,166 @@
+"""vLLM's contract, side by side: a table of requests a vLLM client sends (tests/vllm_conformance.py)
+answered by vLLM 0.32's own OpenAI server (the tiny model, the service's engine settings, the
+service's reasoning and tool parsers) and by the service, on the same seeds: the same status, error
+``param``, and every field vLLM returns (texts and ids exactly). Each case runs on the service
+without a rollout id and with one; a case marked ``refused`` is one the service answers as vLLM
+does without a rollout id and refuses (400, naming the field) under one, because it would make the
+recorded rollout non-monotonic (docs/data-plane.md, "vLLM compatibility").
+
+The two servers never generate at once: vLLM's answers first (then its server stops), then the
+service's."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from serve_helpers import MODEL, WEATHER_TOOL
+from vllm_conformance import Case, Outcome, differences, send
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Say hello to the world."}]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+STRICT_TOOL = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
+
+
+def _probe_stop(text_per_token: list[str]) -> str:
+    """A stop string that ends inside a token: the tail of one token's text and the first
+    character of the next one's (vLLM cuts the text there; the ids stay whole)."""
+    for i in range(1, len(text_per_token) - 1):
+        a, b = text_per_token[i], text_per_token[i + 1]
+        if len(a.strip()) >= 1 and len(b) >= 2 and "\ufffd" not in a + b:
+            return a[-2:] + b[0]
+    raise AssertionError(f"no token pair to cut inside: {text_per_token}")
+
+
+def table(completion_stop: str, chat_stop: str) -> list[Case]:
+    cmpl = {"prompt": PROMPT, "max_tokens": 8, "seed": 11, "temperature": 1.0}
+    chat = {"messages": MESSAGES, "max_tokens": 8, "seed": 12, "temperature": 1.0, **NO_THINK}
+    C, H = "/v1/completions", "/v1/chat/completions"
+    cases = [
+        Case("completion", C, cmpl),
+        Case("completion_return_token_ids", C, {**cmpl, "return_token_ids": True}),
+        Case("completion_logprobs_0", C, {**cmpl, "logprobs": 0}),
+        Case("completion_logprobs_2", C, {**cmpl, "logprobs": 2}),
+        Case("completion_stream", C, {**cmpl, "stream": True}),
+        Case("completion_stream_usage", C, {**cmpl, "stream": True, "stream_options": {"include_usage": True}}),
+        Case("completion_stream_options_without_stream", C, {**cmpl, "stream_options": {"include_usage": True}}),
+        Case("completion_seed_out_of_range", C, {**cmpl, "seed": 2**64}),
+        Case("completion_logit_bias_out_of_vocab", C, {**cmpl, "logit_bias": {"999999": 1}}),
+        Case("completion_stop", C, {**cmpl, "temperature": 0.0, "max_tokens": 12, "stop": [completion_stop]}),
+        Case("completion_stop_included", C, {**cmpl, "temperature": 0.0, "max_tokens": 12, "stop": [completion_stop],
+                                             "include_stop_str_in_output": True}),
+        Case("completion_stop_stream", C, {**cmpl, "temperature": 0.0, "max_tokens": 12, "stop": [completion_stop],
+                                           "stream": True}),
+        Case("chat", H, chat),
+        Case("chat_logprobs", H, {**chat, "logprobs": True, "top_logprobs": 2}),
+        Case("chat_stream_usage", H, {**chat, "stream": True, "stream_options": {"include_usage": True}}),
+        Case("chat_stream_options_without_stream", H, {**chat, "stream_options": {"include_usage": True}}),
+        Case("chat_stop", H, {**chat, "temperature": 0.0, "max_tokens": 12, "stop": [chat_stop]}),
+        Case("chat_stop_included", H, {**chat, "temperature": 0.0, "max_tokens": 12, "stop": [chat_stop],
+                                       "include_stop_str_in_output": True}),
+        Case("chat_stop_stream", H, {**chat, "temperature": 0.0, "max_tokens": 12, "stop": [chat_stop], "stream": True}),
+        # A forced call: the service samples it under a compact grammar (engine.compact_structured_json:
+        # at most one whitespace character in a row inside the call; vLLM's leaves it unbounded and the
+        # tiny model fills it), so the generations differ: vLLM's rules for a forced call are checked, and the cut
+        # call (before any whitespace) exactly.
+        Case("chat_tool_required", H, {**chat, "max_tokens": 64, "tools": [STRICT_TOOL], "tool_choice": "required",
+                                       "parallel_tool_calls": False}, expect="forced_call"),
+        Case("chat_tool_named", H, {**chat, "max_tokens": 64, "tools": [STRICT_TOOL],
+                                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+             expect="forced_call"),
+        Case("chat_tool_required_cut", H, {**chat, "max_tokens": 6, "tools": [STRICT_TOOL], "tool_choice": "required"}),
+    ]
+    return cases
+
+
+CASE_NAMES = [c.name for c in table("x", "y")]
+
+
+@pytest.fixture(scope="module")
+def vllm_side(service, tiny_model_dir, tiny_tokenizer):
+    """vLLM's answers to the table (and the stop strings probed from its greedy output)."""
+    from bench_service_vs_vllm import SERVED_NAME, VLLMServer
+
+    cfg = service.config
+    with tempfile.TemporaryDirectory(prefix="vllm-contract-") as tmp:
+        server = VLLMServer(cfg.engine, str(tiny_model_dir), Path(tmp) / "vllm.log")
+        server.cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.chat.tool_parser]
+        cache = os.environ.get("VLLM_CONTRACT_CACHE")  # development only: reuse vLLM's answers
+        if cache and Path(cache).exists():
+            data = json.loads(Path(cache).read_text())
+            return {c.name: c for c in table(*data["stops"])}, {k: Outcome(**v) for k, v in data["answers"].items()}
+        try:
+            server.start(timeout=300)
+            stops = []
+            for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                               ("/v1/chat/completions", {"messages": MESSAGES, **NO_THINK})):
+                probe = send(server.url, SERVED_NAME, Case("probe", path, {**body, "max_tokens": 12, "temperature": 0.0,
+                                                                           "return_token_ids": True}))
+                ids = probe.body["choices"][0]["token_ids"]
+                stops.append(_probe_stop([tiny_tokenizer.decode([t]) for t in ids]))
+            cases = {c.name: c for c in table(*stops)}
+            answers = {name: send(server.url, SERVED_NAME, case) for name, case in cases.items()}
+        finally:
+            server.stop()
+        if cache:
+            Path(cache).write_text(json.dumps({"stops": stops, "answers": {k: vars(v) for k, v in answers.items()}}))
+    return cases, answers
+
+
+@pytest.mark.parametrize("under_rollout", [False, True], ids=["plain", "rollout"])
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_the_service_answers_as_vllms_own_server(service, vllm_side, name, under_rollout):
+    cases, answers = vllm_side
+    case = cases[name]
+    if under_rollout:
+        case = Case(case.name, case.path, case.body, {**case.headers, "X-Rollout-Id": f"contract-{uuid.uuid4().hex[:12]}"},
+                    case.expect, case.refused_param)
+    ours = send(service.url, MODEL, case)
+    if under_rollout and case.expect == "refused":
+        assert ours.status == 400 and ours.error["param"] == case.refused_param, ours.body
+        return
+    if case.expect == "forced_call":
+        named = isinstance(case.body["tool_choice"], dict)
+        assert answers[name].status == ours.status == 200, ours.body
+        choice = ours.body["choices"][0]
+        assert choice["message"]["content"] == "" and choice["message"]["tool_calls"], choice
+        assert {c["function"]["name"] for c in choice["message"]["tool_calls"]} == {"get_weather"}
+        assert choice["finish_reason"] == ("stop" if named else "tool_calls"), choice
+        return
+    diffs = differences(answers[name], ours)
+    assert not diffs, "\n".join(diffs)
+
+
+def test_a_stop_string_cuts_the_text_not_the_recorded_turn(service, http, vllm_side, tiny_tokenizer):
+    """Under a rollout id the answer's text is vLLM's (cut before the stop string, inside a token),
+    the stored turn keeps every sampled id and marks the cut, and the next call, which sends the cut
+    text back, continues the rollout monotonically on those ids."""
+    cases, _ = vllm_side
+    body = dict(cases["chat_stop"].body, model=MODEL)
+    stop = body["stop"][0]
+    rid = f"stop-{uuid.uuid4().hex[:12]}"
+    first = http.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": rid}).json()
+    choice = first["choices"][0]
+    ids = choice["message"]["generation_token_ids"]
+    whole = tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    assert choice["stop_reason"] == stop and choice["finish_reason"] == "stop"
+    assert stop in whole and not choice["message"]["content"].endswith(stop)
+    assert whole.startswith(choice["message"]["content"]) and len(whole) > len(choice["message"]["content"]) + len(stop) - 1
+    turn = http.get(f"/v1/rollouts/{rid}").json()["segments"][0]["turns"][0]
+    assert turn["answer"]["text_cut"] == {"stop": stop, "included": False}
+    messages = body["messages"] + [{"role": "assistant", "content": choice["message"]["content"]},
+                                   {"role": "user", "content": "And again."}]
+    second = http.post("/v1/chat/completions", json={**body, "messages": messages, "stop": None},
+                       headers={"X-Rollout-Id": rid}).json()
+    assert second["choices"][0]["message"]["rollout"]["monotonic"] is True
+    prompt = second["choices"][0]["message"]["prompt_token_ids"]
+    assert prompt[len(first["choices"][0]["message"]["prompt_token_ids"]):][:len(ids)] == ids
