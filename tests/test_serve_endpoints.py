@@ -42,12 +42,12 @@ def test_tokenize_returns_the_ids_the_next_call_will_use(http):
 
 def test_completions_accept_token_id_prompts(openai_client):
     out = openai_client.completions.create(model=MODEL, prompt=[151644, 872, 198, 9707], max_tokens=8, seed=2,
-                                           temperature=1.0, extra_body={"ignore_eos": True})
+                                           temperature=1.0, extra_body={"ignore_eos": True, "return_token_ids": True})
     choice = out.choices[0].model_dump()
     assert len(choice["token_ids"]) == 8 and len(choice["generation_log_probs"]) == 8
     assert choice["prompt_token_ids"] == [151644, 872, 198, 9707]
     again = openai_client.completions.create(model=MODEL, prompt=[151644, 872, 198, 9707], max_tokens=8, seed=2,
-                                             temperature=1.0, extra_body={"ignore_eos": True})
+                                             temperature=1.0, extra_body={"ignore_eos": True, "return_token_ids": True})
     assert again.choices[0].model_dump()["token_ids"] == choice["token_ids"]
 
 

@@ -52,7 +52,7 @@ def test_a_stateless_call_answers_as_vllms_route_with_the_ids_of_a_raw_completio
     assert all(len(c.top_logprobs) == 1 and c.top_logprobs[0].token_id == c.token_id for c in choice.logprobs.content)
     assert choice.weight_versions and choice.weight_versions[0].start == 0 and choice.weight_versions[-1].end == 8
     raw = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "seed": 11,
-                                             "ignore_eos": True})
+                                             "ignore_eos": True, "return_token_ids": True})
     assert raw.status_code == 200, raw.text
     c = raw.json()["choices"][0]
     assert c["token_ids"] == ids
