@@ -217,3 +217,36 @@ def test_engine_detokenizes_only_for_stop_strings():
     logprob token strings, except when stop strings need text to match on."""
     assert SamplingOptions.validated(temperature=1.0).to_vllm(max_tokens=5).detokenize is False
     assert SamplingOptions.validated(stop=["END"]).to_vllm(max_tokens=5).detokenize is True
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"seed": 2**64}, "body.seed"),
+    ({"seed": -(2**63) - 1}, "body.seed"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"stream": True, "prompt_logprobs": -1}, "prompt_logprobs"),
+])
+def test_request_fields_vllm_refuses_are_refused_naming_them_as_vllm_does(body, param):
+    from rollout_service.serve.protocol.openai import ChatCompletionRequest, CompletionRequest, ServiceError
+
+    for model, base in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})):
+        with pytest.raises(ServiceError) as info:
+            model(model="m", **base, **body)
+        assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("body", [{"seed": None}, {"seed": -1}, {"seed": 2**63 - 1}, {"stream_options": {}},
+                                  {"stream": True, "prompt_logprobs": 0}, {"stream_options": None}])
+def test_what_vllm_accepts_is_accepted(body):
+    from rollout_service.serve.protocol.openai import ChatCompletionRequest, CompletionRequest
+
+    CompletionRequest(model="m", prompt="hi", **body)
+    ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **body)
+
+
+def test_prompt_logprobs_within_the_engines_bound():
+    assert SamplingOptions.validated(prompt_logprobs=3, max_top_logprobs=20).prompt_logprobs == 3
+    for bad in (-2, 21, -1):
+        with pytest.raises(SamplingParamsError) as info:
+            SamplingOptions.validated(prompt_logprobs=bad, max_top_logprobs=20, vocab_size=VOCAB)
+        assert info.value.param == "prompt_logprobs"

@@ -379,7 +379,7 @@ ROWS = _rows() + [
           ("temperature", "negative", -0.1, "temperature"), ("temperature", "too-high", 2.5, "temperature"),
           ("top_p", "zero", 0, "top_p"), ("top_p", "above-one", 1.5, "top_p"), ("top_k", "below-minus-one", -2, "top_k"),
           ("top_k", "fraction", 1.5, "top_k"), ("top_k", "bool", True, "top_k"), ("min_p", "above-one", 2, "min_p"),
-          ("seed", "huge", 2**70, "seed"), ("seed", "string", "5", "seed"), ("n", "two", 2, "n"), ("n", "zero", 0, "n"),
+          ("seed", "huge", 2**70, "body.seed"), ("seed", "string", "5", "seed"), ("n", "two", 2, "n"), ("n", "zero", 0, "n"),
           ("presence_penalty", "too-high", 3, "presence_penalty"),
           ("frequency_penalty", "too-low", -3, "frequency_penalty"),
           ("repetition_penalty", "zero", 0, "repetition_penalty"), ("stop", "int", 5, "stop"),

@@ -87,10 +87,11 @@ def _check_logprobs(entries, ids, lps, tiny_tokenizer, top: int):
     assert [e["logprob"] for e in entries] == lps
     assert [e["token"] for e in entries] == [tiny_tokenizer.decode([i]) for i in ids]
     assert all(e["bytes"] == list(e["token"].encode()) for e in entries)
-    for e in entries:  # the alternatives asked for, each a decoded token with its logprob, best first
+    for e in entries:  # the alternatives asked for, as vLLM lists them: the sampled token first, then by rank
         alts = e["top_logprobs"]
         assert len(alts) == top and all(set(a) == {"token", "logprob", "bytes"} for a in alts), e
-        assert [a["logprob"] for a in alts] == sorted((a["logprob"] for a in alts), reverse=True), e
+        assert alts[0]["token"] == e["token"] and alts[0]["logprob"] == e["logprob"], e
+        assert [a["logprob"] for a in alts[1:]] == sorted((a["logprob"] for a in alts[1:]), reverse=True), e
 
 
 def test_responses_logprobs_on_the_output_text_are_the_generations(openai_client, tiny_tokenizer):

@@ -103,3 +103,47 @@ def test_the_runners_warm_up_pays_the_first_calls_one_time_costs(tiny_model_dir)
     out = subprocess.run([sys.executable, "-c", WARM_CHECK], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[-2] == "(False, 0) (True, 2) True", out.stdout
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_stream_as_vllms_detokenizer_cuts_them(include):
+    """With stop strings the streamed text never shows what could begin one until the call ends, and
+    ends where the one-shot text ends: before the stop string (after it when included), cut inside
+    the token that completed it."""
+    from rollout_service.onpolicy.parsing import generation_text
+
+    ids = encode("Speedway racing is fun in Paris")
+    texts = [tokenizer().decode([t]) for t in ids]
+    # a stop string ending inside a token: the tail of one token and the start of the next
+    k = next(i for i in range(1, len(ids) - 1) if len(texts[i + 1]) >= 2)
+    stop = texts[k][-2:] + texts[k + 1][0]
+    ended = ids[:k + 2]  # the engine stops at the token that completed the stop string
+    parser = StreamParser(tokenizer(), reasoning_parser=None, chat_template_kwargs=None, prompt_ids=[],
+                          hold_tool_calls=False, stop=[stop, "zzzzzz"], include_stop=include)
+    streamed, shown = "", []
+    for i, tid in enumerate(ended):
+        last = i == len(ended) - 1
+        _, c = parser.push([tid], finished=last, stop_reason=stop if last else None)
+        streamed += c
+        if not last and not include:  # held back: the last (longest - 1) characters
+            assert len(tokenizer().decode(ended[:i + 1])) - len(streamed) == min(5, len(tokenizer().decode(ended[:i + 1])))
+    assert streamed == generation_text(tokenizer(), ended, True, (stop, include))
+    assert streamed.endswith(stop) if include else (stop not in streamed and tokenizer().decode(ended).startswith(streamed))
+
+
+def test_a_stop_string_ending_on_a_character_split_across_tokens_is_cut():
+    """The last token completes a character its predecessor began: the text before it ends at the
+    whole character (the detokenizer holds the half back), so the stop string is found and cut."""
+    from rollout_service.onpolicy.parsing import generation_text
+
+    ids = encode("X🧌 after")
+    k = next(i for i in range(1, len(ids)) if tokenizer().decode(ids[:i]).endswith("\ufffd"))
+    ended = ids[:k + 1]
+    assert tokenizer().decode(ended).endswith("🧌")
+    assert generation_text(tokenizer(), ended, True, ("X🧌", False)) == ""
+    assert generation_text(tokenizer(), ended, True, ("X🧌", True)) == "X🧌"
+    parser = StreamParser(tokenizer(), reasoning_parser=None, chat_template_kwargs=None, prompt_ids=[],
+                          hold_tool_calls=False, stop=["X🧌"])
+    streamed = "".join(parser.push([t], finished=i == len(ended) - 1, stop_reason="X🧌" if i == len(ended) - 1 else None)[1]
+                       for i, t in enumerate(ended))
+    assert streamed == ""

@@ -21,7 +21,7 @@ import httpx
 PER_SERVER = {"id", "created", "model", "system_fingerprint"}
 # The service's documented extensions (docs/data-plane.md): only these may appear where vLLM has none.
 EXTENSIONS = {"generation_log_probs", "weight_versions", "rollout", "prompt_token_ids", "generation_token_ids",
-              "token_strs"}
+              "token_strs", "reasoning_content"}
 LOGPROB_TOL = 1e-5
 
 

@@ -232,6 +232,7 @@ class EngineReplica(RefitSteps, Scoring):
         want_top = request.sampling.top_logprobs
         finished = False
         passed = 0  # ids handed over so far
+        prompt_sent = False  # prompt logprobs handed over (with the first chunk)
         try:
             async for out in llm.generate(TokensPrompt(**prompt), params, request.request_id):
                 comp = out.outputs[0]
@@ -260,6 +261,9 @@ class EngineReplica(RefitSteps, Scoring):
                     chunk.kv_base = started_on
                     chunk.kv_resets = _reset_positions(chunk.weight_versions,
                                                        self._kv_reset_versions.get(request.request_id))
+                if out.prompt_logprobs is not None and not prompt_sent:
+                    chunk.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs)
+                    prompt_sent = True
                 if ids or chunk.finish_reason:
                     yield chunk
         finally:
@@ -420,6 +424,12 @@ class EngineReplica(RefitSteps, Scoring):
     def engine_config(self) -> dict[str, Any]:
         """The config this engine runs (a restarted fleet adopting it takes it over)."""
         return self.config.model_dump()
+
+
+def _prompt_logprobs(positions) -> list[list[tuple[int, float, int]] | None]:
+    """vLLM's prompt logprobs as plain data: per position None or (id, logprob, rank) in vLLM's order."""
+    return [None if entry is None else [(int(t), float(lp.logprob), int(lp.rank or 0)) for t, lp in entry.items()]
+            for entry in positions]
 
 
 def _sampled_logprobs(ids: list[int], logprobs, want_top: int):

@@ -55,6 +55,9 @@ class SamplingOptions(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     top_logprobs: int = 0  # alternatives per position, besides the sampled token's own logprob
+    # vLLM's prompt logprobs: per prompt position (the first has none) the prompt token's raw logprob
+    # and the top ``prompt_logprobs`` alternatives (-1: the whole vocabulary); None: not asked.
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -130,6 +133,13 @@ class SamplingOptions(BaseModel):
                 )
         if not (0 <= self.top_logprobs <= max_top_logprobs):  # the engine's max_logprobs
             raise SamplingParamsError("top_logprobs", f"must be in [0, {max_top_logprobs}], got {self.top_logprobs}")
+        if self.prompt_logprobs is not None:  # vLLM's words (the engine checks the maximum)
+            if self.prompt_logprobs < -1:
+                raise SamplingParamsError("prompt_logprobs", "`prompt_logprobs` must be a positive value or -1.")
+            asked = vocab_size if self.prompt_logprobs == -1 and vocab_size is not None else self.prompt_logprobs
+            if max_top_logprobs != -1 and asked > max_top_logprobs:
+                raise SamplingParamsError("prompt_logprobs", f"Requested prompt logprobs of {asked}, which is greater "
+                                                             f"than max allowed: {max_top_logprobs}")
         if self.structured_outputs is not None:
             _check_structured_outputs(self.structured_outputs)
         _check_with_vllm(self)
@@ -161,6 +171,7 @@ class SamplingOptions(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logprobs=self.top_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

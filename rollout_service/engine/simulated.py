@@ -342,6 +342,8 @@ class SimulatedEngine(RefitSteps):
             raise SamplingParamsError("stop", "the simulated engine has no tokenizer: stop strings are not supported")
         if s.structured_outputs:
             raise SamplingParamsError("structured_outputs", "the simulated engine does not implement structured outputs")
+        if s.prompt_logprobs is not None:
+            raise SamplingParamsError("prompt_logprobs", "the simulated engine has no model to score a prompt with")
         if len(request.prompt_ids) + request.max_tokens > self.config.max_model_len:
             raise SamplingParamsError("max_tokens", f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
                                       f"({request.max_tokens}) exceeds max_model_len {self.config.max_model_len}")

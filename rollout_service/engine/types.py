@@ -53,6 +53,9 @@ class GenerationChunk:
     # The version whose weights computed the prompt's KV (the engine's version when the request
     # started; None: the first id's version).
     kv_base: str | None = None
+    # vLLM's prompt logprobs when asked (on the first chunk): per prompt position None (the first) or
+    # [(token id, raw logprob, rank), ...], the prompt's own token first, then the top ones by rank.
+    prompt_logprobs: list[list[tuple[int, float, int]] | None] | None = None
 
     @staticmethod
     def concat(chunks: list["GenerationChunk"]) -> "GenerationChunk":
@@ -63,6 +66,7 @@ class GenerationChunk:
             token_ids=[t for c in chunks for t in c.token_ids],
             logprobs=[lp for c in chunks for lp in c.logprobs],
             top_logprobs=None if last.top_logprobs is None else [d for c in chunks for d in c.top_logprobs or ()],
+            prompt_logprobs=next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None),
         )
 
 

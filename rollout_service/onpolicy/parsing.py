@@ -25,6 +25,7 @@ class AssistantOutput:
     reasoning_content: str | None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""  # the decoded generation the parsers saw
+    reasoning_tokens: int | None = None  # the reasoning parser's count of reasoning ids (None: no reasoning parser)
 
     def to_message(self) -> dict[str, Any]:
         """The OpenAI assistant message (``reasoning_content`` as vLLM names it)."""
@@ -149,7 +150,9 @@ def parse_output(
         }
         for c in (calls or [])
     ]
-    return AssistantOutput(content=content, reasoning_content=reasoning, tool_calls=tool_calls, text=text)
+    counted = parser.count_reasoning_tokens(gen_ids) if reasoning_parser else None
+    return AssistantOutput(content=content, reasoning_content=reasoning, tool_calls=tool_calls, text=text,
+                           reasoning_tokens=counted)
 
 
 def stop_string_end(text: str, before: int, stop: str, include: bool) -> int:
@@ -170,7 +173,9 @@ def generation_text(tokenizer: Any, ids: list[int], skip_special_tokens: bool,
     text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     if stop_string is None or not ids:
         return text
-    before = len(tokenizer.decode(ids[:-1], skip_special_tokens=skip_special_tokens))
+    # The text before the last token, less a trailing half character (the detokenizer holds those
+    # bytes back, so the last token's text starts with the whole character).
+    before = len(tokenizer.decode(ids[:-1], skip_special_tokens=skip_special_tokens).rstrip("\ufffd"))
     return text[:stop_string_end(text, before, *stop_string)]
 
 

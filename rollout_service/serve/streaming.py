@@ -72,7 +72,7 @@ class StreamParser:
         return reasoning, self._filter(content, finished)
 
     def _released(self, text: str, finished: bool, stop_reason: int | str | None) -> str:
-        before = len(self._text)
+        before = len(self._text.rstrip("\ufffd"))
         self._text += text
         if finished and isinstance(stop_reason, str):
             end = stop_string_end(self._text, before, stop_reason, self._include_stop)

@@ -106,6 +106,8 @@ class CompletionCall:
     top_logprobs: int = 0
     stream: bool = False
     want_token_strs: bool = False
+    echo: bool = False  # the answer's text (and logprobs) start with the prompt's
+    discard_output: bool = False  # echo with max_tokens 0: one token generated and left out, as vLLM does
 
 
 @dataclass
@@ -142,6 +144,9 @@ class TurnResult:
     # Forwarded, given up, run where it arrived; why: 'not-accepted' in time, or its stream went 'silent'
     forward_fallback: str | None = None
     reasoning_tokens: int | None = None  # generated ids inside reasoning, counted by the reasoning parser
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's shape, when asked
+    echo: dict[str, Any] | None = None  # completions' echo: {"text": the prompt's, "first_token": its first token's}
+    discard_output: bool = False  # echo with max_tokens 0: the generated token is not in the text
 
     @property
     def usage(self) -> dict[str, int]:

@@ -69,6 +69,8 @@ _CLIENT_ERRORS = (HistoryConflict, UnsupportedConversation, InvalidEcho, Invalid
 
 UTF8_CONTEXT = 4  # sampled ids before a token that can hold the rest of its UTF-8 character
 REPLACEMENT_CHAR = "\ufffd"
+LOGPROB_FLOOR = -9999.0  # vLLM's JSON for a logprob of -inf
+TOKEN_TEXT_CACHE = 200_000  # ids whose text alone is kept (a vocabulary's worth)
 REPLAY_WAIT_S = 600.0  # a retry waits at most this long for the original call still in flight
 
 
@@ -102,6 +104,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
         self.template = _chat_template(config, tokenizer)
         self.constraints = Constraints(config, tokenizer)
         self.vocab_size = _vocab_size(config, tokenizer)
+        self._token_texts: dict[int, str] = {}
         self.max_model_len = config.engine.max_model_len
         self.in_flight: dict[str, _InFlight] = {}
 
@@ -239,15 +242,45 @@ class TurnRunner(RolloutReads, RolloutSteering):
         after the sampled ids before it (``context``: the generation's ids before ``ids``), which
         completes the character or leaves it empty."""
         out: list[dict[int, str]] = []
-        before = [int(t) for t in context][-UTF8_CONTEXT:]
+        before = [int(t) for t in context[-UTF8_CONTEXT:]]
         for i, tid in enumerate(ids):
             alts = [int(tid), *(int(t) for t in ((tops[i] if tops and i < len(tops) else None) or {}) if t != tid)]
             out.append({t: self._token_text(t, before) for t in alts})
             before = (before + [int(tid)])[-UTF8_CONTEXT:]
         return out
 
+    def _decoded_alone(self, tid: int) -> str:
+        text = self._token_texts.get(tid)
+        if text is None:
+            if len(self._token_texts) >= TOKEN_TEXT_CACHE:
+                self._token_texts.clear()
+            text = self._token_texts[tid] = self.tokenizer.decode([tid])
+        return text
+
+    def _reasoning_tokens(self, ids: list[int], req: TurnRequest) -> int | None:
+        """The configured reasoning parser's count of reasoning ids (vLLM's usage detail); None without one."""
+        parser = self.config.chat.reasoning_parser
+        if not parser:
+            return None
+        return count_reasoning_tokens(ids, tokenizer=self.tokenizer, reasoning_parser=parser,
+                                      chat_template_kwargs=self._template_kwargs(req))
+
+    def prompt_logprobs(self, prompt_ids: list[int], positions: list) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs`` answer: per prompt position None (the first) or, keyed by token id,
+        each entry's ``logprob`` (-inf as -9999.0), ``rank`` and ``decoded_token``, the prompt's own token first
+        (a token's text is completed by the prompt tokens before it that have entries, as vLLM names them)."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for j, entry in enumerate(positions):
+            if entry is None:
+                out.append(None)
+                continue
+            strs = self.token_strs([prompt_ids[j]], [{t: lp for t, lp, _ in entry}], prompt_ids[1:j][-UTF8_CONTEXT:])[0]
+            out.append({str(t): {"logprob": max(lp, LOGPROB_FLOOR), "rank": rank, "decoded_token": strs.get(t, "")}
+                        for t, lp, rank in entry})
+        return out
+
     def _token_text(self, tid: int, before: list[int]) -> str:
-        alone = self.tokenizer.decode([tid])
+        alone = self._decoded_alone(tid)
         if not alone.endswith(REPLACEMENT_CHAR):
             return alone
         for n in range(1, len(before) + 1):
@@ -257,7 +290,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
                 continue
             # The context's own unfinished bytes (tokens that read as empty) belong to this token's text.
             clean = len(ctx)
-            while clean > 0 and self.tokenizer.decode([ctx[clean - 1]]).endswith(REPLACEMENT_CHAR):
+            while clean > 0 and self._decoded_alone(ctx[clean - 1]).endswith(REPLACEMENT_CHAR):
                 clean -= 1
             prefix = self.tokenizer.decode(ctx[:clean]) if clean else ""
             common = len(os.path.commonprefix([prefix, whole]))
@@ -356,6 +389,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
             stop_reason=answer["stop_reason"], message=answer["message"], weight_versions=answer["weight_versions"],
             rollout={**answer["rollout"], "replayed": True}, replayed=True,
             token_strs=self.token_strs(ids) if req.want_token_strs else None,
+            reasoning_tokens=self._reasoning_tokens(ids, req) if req.prompt_token_ids is None else None,
         )
 
     async def _run(self, req: TurnRequest, state: RolloutState | None, digest: str | None) -> AsyncIterator[TokenDelta | TurnResult]:
@@ -402,11 +436,14 @@ class TurnRunner(RolloutReads, RolloutSteering):
                                 group=self._group(req, state, plan.prompt_ids))
         if constrained:
             chunks = name_the_grammar(chunks, req)
+        prompt_lps = None
         async for chunk in chunks:
             ids += chunk.token_ids
             lps += chunk.logprobs
             if chunk.top_logprobs:
                 tops += chunk.top_logprobs
+            if chunk.prompt_logprobs is not None and prompt_lps is None:
+                prompt_lps = chunk.prompt_logprobs
             final_chunk = chunk
             if streamer is not None and (chunk.token_ids or chunk.finish_reason):
                 reasoning, content = streamer.push(chunk.token_ids, finished=chunk.finish_reason is not None,
@@ -415,7 +452,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
                     yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
                                      reasoning=reasoning, content=content,
                                      token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs,
-                                                                ids[:len(ids) - len(chunk.token_ids)])
+                                                                _context(ids, len(chunk.token_ids)))
                                      if req.want_token_strs else None,
                                      prompt_token_ids=None if prompt_sent else plan.prompt_ids)
                     prompt_sent = True
@@ -429,8 +466,11 @@ class TurnRunner(RolloutReads, RolloutSteering):
         # A stop string ends the text where vLLM's detokenizer ends it; the ids (and the stored turn) stay whole.
         stop_string = ((final_chunk.stop_reason, sampling.include_stop_str_in_output)
                        if isinstance(final_chunk.stop_reason, str) else None)
-        message = ({"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=False)} if tokens_in
-                   else self._parse(ids, req, plan.prompt_ids, parse_tools, json_forced, reasoning_parser, stop_string))
+        message, reasoning_tokens = (
+            ({"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=False)}, None) if tokens_in
+            else self._parse(ids, req, plan.prompt_ids, parse_tools, json_forced, reasoning_parser, stop_string))
+        if reasoning_tokens is None and not tokens_in:  # vLLM counts with the call's parser even under a grammar
+            reasoning_tokens = self._reasoning_tokens(ids, req)
         # vLLM's rule: a named tool_choice ends "stop" (as OpenAI's); required ends "tool_calls" even
         # if nothing parsed; auto when calls were parsed.
         if finish_reason == "stop" and (req.tool_choice.mode == "required"
@@ -466,10 +506,8 @@ class TurnRunner(RolloutReads, RolloutSteering):
             if rollout_id is not None else None,
             engine_index=final_chunk.engine_index,
             token_strs=self.token_strs(ids, tops) if req.want_token_strs else None,
-            reasoning_tokens=count_reasoning_tokens(ids, tokenizer=self.tokenizer,
-                                                    reasoning_parser=self.config.chat.reasoning_parser,
-                                                    chat_template_kwargs=self._template_kwargs(req))
-            if self.config.chat.reasoning_parser and not tokens_in else None,
+            prompt_logprobs=self.prompt_logprobs(plan.prompt_ids, prompt_lps) if prompt_lps is not None else None,
+            reasoning_tokens=reasoning_tokens,
         )
 
     async def _append(self, rollout_id: str, delta, expected_turn: int) -> None:
@@ -480,9 +518,10 @@ class TurnRunner(RolloutReads, RolloutSteering):
 
     def _parse(self, ids: list[int], req: TurnRequest, prompt_ids: list[int], parse_tools: bool,
                json_forced: bool, reasoning_parser: str | None,
-               stop_string: tuple[str, bool] | None) -> dict[str, Any]:
+               stop_string: tuple[str, bool] | None) -> tuple[dict[str, Any], int | None]:
+        """The assistant message of ``ids``, and the reasoning parser's count of reasoning ids if it ran."""
         if json_forced:
-            return parse_forced(generation_text(self.tokenizer, ids, True, stop_string), req.tool_choice)
+            return parse_forced(generation_text(self.tokenizer, ids, True, stop_string), req.tool_choice), None
         ec = self.config.chat
         out = parse_output(ids, tokenizer=self.tokenizer, reasoning_parser=reasoning_parser,
                            tool_parser=ec.tool_parser if parse_tools else None, tools=req.tools,
@@ -494,7 +533,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
                                    "reasoning_content": out.reasoning_content}
         if out.tool_calls:
             message["tool_calls"] = out.tool_calls
-        return message
+        return message, out.reasoning_tokens
 
     # ------------------------------------------------------------------ completions
     def run_completion(self, call: CompletionCall) -> AsyncIterator[TokenDelta | TurnResult]:
@@ -509,24 +548,33 @@ class TurnRunner(RolloutReads, RolloutSteering):
             raise bad_request(f"prompt token id {bad} is out of range (vocabulary size {self.vocab_size})", param="prompt")
         sampling = self._sampling(call.sampling, call.top_logprobs)
         max_tokens = self._max_tokens(call.max_tokens, len(ids_in))
+        echo = ({"text": prompt if isinstance(prompt, str) else self.tokenizer.decode(ids_in),
+                 "first_token": self.tokenizer.decode([ids_in[0]])} if call.echo else None)
         decoder = StreamParser(self.tokenizer, reasoning_parser=None, chat_template_kwargs=None, prompt_ids=ids_in,
                                hold_tool_calls=False, stop=sampling.stop,
                                include_stop=sampling.include_stop_str_in_output) if call.stream else None
         ids, lps, tops, final = [], [], [], None
         prompt_sent = False
+        prompt_lps = None
         async for chunk in self._generate(None, ids_in, sampling, max_tokens, stream=call.stream):
             ids += chunk.token_ids
             lps += chunk.logprobs
             tops += chunk.top_logprobs or []
+            if chunk.prompt_logprobs is not None and prompt_lps is None:
+                prompt_lps = chunk.prompt_logprobs
             final = chunk
             if decoder is not None and (chunk.token_ids or chunk.finish_reason):
                 _, text = decoder.push(chunk.token_ids, finished=chunk.finish_reason is not None,
                                        stop_reason=chunk.stop_reason)
+                if call.discard_output:
+                    text = ""
+                if echo is not None and not prompt_sent:  # vLLM: the first chunk starts with the prompt's text
+                    text = echo["text"] + text
                 if chunk.token_ids or text:
                     yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
                                      content=text, prompt_token_ids=None if prompt_sent else ids_in,
                                      token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs,
-                                                                ids[:len(ids) - len(chunk.token_ids)])
+                                                                _context(ids, len(chunk.token_ids)))
                                      if call.want_token_strs else None)
                     prompt_sent = True
         stop_string = ((final.stop_reason, sampling.include_stop_str_in_output)
@@ -538,6 +586,8 @@ class TurnRunner(RolloutReads, RolloutSteering):
             weight_versions=[{"version": v, "start": s, "end": e, "kv_version": kv}
                              for v, s, e, kv in kv_spans(final.weight_versions or [], final.kv_resets, final.kv_base)],
             engine_index=final.engine_index, token_strs=self.token_strs(ids, tops) if call.want_token_strs else None,
+            prompt_logprobs=self.prompt_logprobs(ids_in, prompt_lps) if prompt_lps is not None else None,
+            echo=echo, discard_output=call.discard_output,
         )
 
     # ------------------------------------------------------------------ engine
@@ -595,6 +645,12 @@ class TurnRunner(RolloutReads, RolloutSteering):
                 self.fleet.report_pin_move()
 
 
+
+
+def _context(ids: list[int], new: int) -> list[int]:
+    """The ids before the last ``new`` that can hold the start of a character the next one completes."""
+    end = len(ids) - new
+    return ids[max(0, end - UTF8_CONTEXT):end]
 
 
 async def _counted(mode: str, events: AsyncIterator) -> AsyncIterator:

@@ -119,7 +119,10 @@ def response(result: TurnResult, req: ChatCompletionRequest, model: str) -> Roll
     # vLLM answers a forced call (required / named) with content "" rather than null.
     forced = bool(req.tools) and req.tool_choice not in (None, "auto", "none") and tool_choice_of(
         req.tool_choice, [t.model_dump(exclude_none=True) for t in req.tools]).mode in ("required", "named")
-    reasoning = msg.get("reasoning_content") or None
+    # include_reasoning: false hides the reasoning and, as vLLM does (with a reasoning parser), the
+    # per-token metadata that would show it (logprobs, token_ids); our exact-id fields stay.
+    hidden = _reasoning_hidden(req)
+    reasoning = None if hidden else msg.get("reasoning_content") or None
     message = RolloutMessage(
         role="assistant", content=msg.get("content") or ("" if forced else None), reasoning=reasoning,
         reasoning_content=reasoning, tool_calls=msg.get("tool_calls") or None, refusal=None, annotations=None,
@@ -131,12 +134,13 @@ def response(result: TurnResult, req: ChatCompletionRequest, model: str) -> Roll
         index=0, message=message, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
         logprobs=_logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
                            result.token_strs, bool(req.return_tokens_as_token_ids), req.top_logprobs or 0)
-        if req.logprobs else None,
-        token_ids=result.generation_token_ids if req.return_token_ids else None, routed_experts=None,
+        if req.logprobs and not hidden else None,
+        token_ids=result.generation_token_ids if req.return_token_ids and not hidden else None, routed_experts=None,
     )
     return RolloutChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion", created=int(time.time()), model=model,
-        choices=[choice], usage=usage_of(result), service_tier=None, system_fingerprint=None, prompt_logprobs=None,
+        choices=[choice], usage=usage_of(result), service_tier=None, system_fingerprint=None,
+        prompt_logprobs=result.prompt_logprobs,
         prompt_token_ids=result.prompt_token_ids if req.return_token_ids else None, prompt_text=None,
         kv_transfer_params=None, ec_transfer_params=None, metrics=None,
     )
@@ -155,17 +159,20 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
         body = RolloutChunk(id=cid, object="chat.completion.chunk", created=created, model=model, choices=[choice], **top)
         return _frame(body)
 
+    hidden = _reasoning_hidden(req)
+    ids_shown = bool(req.return_token_ids) and not hidden
+
     def delta_of(event: TokenDelta | None) -> tuple[dict[str, Any], Any, dict[str, Any]]:
         if event is None:
-            return {}, None, ({"token_ids": []} if req.return_token_ids else {})
+            return {}, None, ({"token_ids": []} if ids_shown else {})
         delta: dict[str, Any] = {}
-        if event.reasoning:
+        if event.reasoning and not hidden:
             delta["reasoning"] = delta["reasoning_content"] = event.reasoning
         if event.content:
             delta["content"] = event.content
         lp = (_logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs, as_ids,
-                        req.top_logprobs or 0) if req.logprobs else None)
-        return delta, lp, ({"token_ids": event.token_ids} if req.return_token_ids else {})
+                      req.top_logprobs or 0) if req.logprobs and not hidden else None)
+        return delta, lp, ({"token_ids": event.token_ids} if ids_shown else {})
 
     yield chunk({"role": "assistant", "content": ""},
                 prompt=getattr(first, "prompt_token_ids", None) if req.return_token_ids else None)
@@ -176,7 +183,8 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
             if isinstance(event, TokenDelta):
                 if pending is not None:
                     delta, lp, extra = delta_of(pending)
-                    yield chunk(delta, logprobs=lp, **extra)
+                    if delta or lp or extra:  # as vLLM: a step that completed no text and asks for no metadata sends nothing
+                        yield chunk(delta, logprobs=lp, **extra)
                 pending = event
             else:
                 result: TurnResult = event
@@ -201,6 +209,10 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
             yield chunk(delta, logprobs=lp, **extra)
         yield error_event(exc)
     yield b"data: [DONE]\n\n"
+
+
+def _reasoning_hidden(req: ChatCompletionRequest) -> bool:
+    return not req.include_reasoning
 
 
 def _frame(model) -> bytes:

@@ -42,9 +42,14 @@ class RolloutCompletion(co.Completion):
 
 def call(req: CompletionRequest) -> CompletionCall:
     refuse_unhonoured(req, COMPLETION_UNHONOURED)
-    return CompletionCall(prompt=req.prompt, sampling=req.sampling_kwargs(),
-                          max_tokens=req.max_tokens if req.max_tokens is not None else 16,
-                          top_logprobs=req.logprobs or 0, stream=req.stream, want_token_strs=req.logprobs is not None)
+    sampling = req.sampling_kwargs()
+    max_tokens = req.max_tokens if req.max_tokens is not None else 16
+    discard = bool(req.echo) and max_tokens == 0  # vLLM: generate one token, return only the prompt
+    if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+        sampling["prompt_logprobs"] = req.logprobs  # vLLM: echoed logprobs cover the prompt too
+    return CompletionCall(prompt=req.prompt, sampling=sampling, max_tokens=1 if discard else max_tokens,
+                          top_logprobs=req.logprobs or 0, stream=req.stream, want_token_strs=req.logprobs is not None,
+                          echo=bool(req.echo), discard_output=discard)
 
 
 def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> cc.Logprobs:
@@ -64,15 +69,51 @@ def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> cc.Logprobs:
                        top_logprobs=top_logprobs)
 
 
+def _echoed_logprobs(result: TurnResult, k: int) -> cc.Logprobs:
+    """Echo with logprobs, as vLLM: the prompt's positions first (the first without logprobs, named by
+    its text alone), from the prompt logprobs, then the generation's (none with max_tokens 0)."""
+    prompt_ids = result.prompt_token_ids
+    tokens, token_lps, tops = [result.echo["first_token"]], [None], [None]
+    for tid, entry in zip(prompt_ids[1:], (result.prompt_logprobs or [None])[1:]):
+        entry = entry or {}
+        own = entry.get(str(tid), {"logprob": None, "decoded_token": ""})
+        tokens.append(own["decoded_token"])
+        token_lps.append(own["logprob"])
+        tops.append({e["decoded_token"]: e["logprob"] for e in list(entry.values())[:k + 1]})
+    out = None if result.discard_output else _logprobs(
+        result.generation_token_ids, result.generation_log_probs, result.top_logprobs, result.token_strs, k,
+        sum(len(t) for t in tokens))
+    offsets, offset = [], 0
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return cc.Logprobs(text_offset=offsets + (out.text_offset if out else []), tokens=tokens + (out.tokens if out else []),
+                       token_logprobs=token_lps + (out.token_logprobs if out else []),
+                       top_logprobs=tops + (out.top_logprobs if out else []))
+
+
+def _text(result: TurnResult, req: CompletionRequest) -> str:
+    if result.echo is None:
+        return result.text
+    prompt_text = "" if req.return_token_ids else result.echo["text"]  # vLLM's rule
+    return prompt_text if result.discard_output else prompt_text + result.text
+
+
 def response(result: TurnResult, req: CompletionRequest, model: str) -> RolloutCompletion:
     ids_asked = bool(req.return_token_ids)
+    if req.logprobs is None:
+        logprobs = None
+    elif result.echo is not None:
+        logprobs = _echoed_logprobs(result, req.logprobs)
+    else:
+        logprobs = _logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
+                             result.token_strs, req.logprobs)
     choice = RolloutCompletionChoice(
-        index=0, text=result.text, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
-        logprobs=_logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
-                           result.token_strs, req.logprobs) if req.logprobs is not None else None,
+        index=0, text=_text(result, req), finish_reason=result.finish_reason, stop_reason=result.stop_reason,
+        logprobs=logprobs,
         token_ids=result.generation_token_ids if ids_asked else None,
         prompt_token_ids=result.prompt_token_ids if ids_asked else None,
-        prompt_logprobs=None, routed_experts=None,
+        prompt_logprobs=result.prompt_logprobs, routed_experts=None,
         generation_log_probs=result.generation_log_probs, weight_versions=result.weight_versions,
     )
     return RolloutCompletion(id=f"cmpl-{uuid.uuid4().hex}", object="text_completion", created=int(time.time()),
@@ -102,7 +143,7 @@ async def stream(first, events: AsyncIterator, req: CompletionRequest, model: st
             index=0, text=event.content if event is not None else "", logprobs=lp,
             finish_reason=final.pop("finish_reason", None), stop_reason=final.pop("stop_reason", None),
             token_ids=(event.token_ids if event is not None else []) if ids_asked else None,
-            prompt_token_ids=event.prompt_token_ids if ids_asked and event is not None else None, **final)
+            prompt_token_ids=event.prompt_token_ids if (ids_asked or req.echo) and event is not None else None, **final)
 
     pending: TokenDelta | None = None  # held one event: the last step's text goes out with the finish reason
     event = first
@@ -119,7 +160,7 @@ async def stream(first, events: AsyncIterator, req: CompletionRequest, model: st
                                          weight_versions=result.weight_versions))
                 pending = None
                 if (req.stream_options or {}).get("include_usage"):
-                    yield frame(None, usage=usage_of(result))
+                    yield frame(None, usage=usage_of(result, stream=True))
                 break
             event = await events.__anext__()
     except StopAsyncIteration:

@@ -143,7 +143,7 @@ def _response(req: ResponsesRequest, model: str, ids: _Ids, *, status: str, outp
         u = result.usage
         body["usage"] = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                          "total_tokens": u["total_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                         "output_tokens_details": {"reasoning_tokens": 0}}
+                         "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens or 0}}
     return rt.Response.model_validate(body)
 
 

@@ -266,7 +266,6 @@ _COMMON_UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": _rule(_STRUCTURED),
     "structural_tag": _rule(_STRUCTURED),
     "truncate_prompt_tokens": _rule(_PROMPT),
-    "prompt_logprobs": _rule(_OUTPUT + " (the trainer reads prompt ids back from GET /v1/rollouts/{id})", 0),
     "logprob_token_ids": _rule(_OUTPUT),
     "return_token_offsets": _rule(_OUTPUT, False),
     "return_prompt_text": _rule(_OUTPUT, False),
@@ -300,7 +299,6 @@ CHAT_UNHONOURED = {
 
 COMPLETION_UNHONOURED = {
     **_COMMON_UNHONOURED,
-    "echo": _rule(_OUTPUT + " (the answer carries prompt_token_ids)", False),
     "suffix": _rule("insertion (suffix) is not served"),
     "response_format": _rule(_STRUCTURED),
 }
@@ -322,6 +320,7 @@ RESPONSES_UNHONOURED = {
     "max_tool_calls": _rule("hosted tools are not served (function tools only)"),
     "enable_response_messages": _rule(_OUTPUT, False),
     "previous_input_messages": _rule("send the full input", []),
+    "prompt_logprobs": _rule(_OUTPUT + " (chat completions and completions return it)"),
 }
 # Responses' include: what the service has of each output is already in it; these ask for more.
 # reasoning.encrypted_content: reasoning is returned as plain text anyway;
@@ -378,6 +377,12 @@ def stream_options_need_stream(stream_options: dict[str, Any] | None, stream: bo
         raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
 
 
+def prompt_logprobs_not_streamed(prompt_logprobs: int | None, stream: bool) -> None:
+    """vLLM's rule: no prompt logprobs on a stream (0 asks for none, so it passes)."""
+    if stream and prompt_logprobs is not None and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+
+
 class SamplingFields(_Lenient):
     """Sampling fields shared by chat, responses and completions (OpenAI + vLLM extras)."""
 
@@ -401,6 +406,8 @@ class SamplingFields(_Lenient):
     @classmethod
     def _seed_in_range(cls, v):
         # vLLM's bound and answer (a pydantic range error on body.seed); -1 is vLLM's "no seed".
+        if v is None:
+            return v
         for bound, kind, word in ((INT64_MAX, "less_than_equal", "less"), (INT64_MIN, "greater_than_equal", "greater")):
             if (v > bound) if word == "less" else (v < bound):
                 key = "le" if word == "less" else "ge"
@@ -439,6 +446,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
+    prompt_logprobs: StrictInt | None = None
+    include_reasoning: StrictBool = True
     required_prefix_token_ids: RequiredPrefix = None
     response_format: ResponseFormat | None = None
     reasoning_effort: ReasoningEffort | None = None
@@ -450,7 +459,14 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         stream_options_need_stream(self.stream_options, self.stream)
+        prompt_logprobs_not_streamed(self.prompt_logprobs, self.stream)
         return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        if self.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = self.prompt_logprobs
+        return kwargs
 
 
 # ----------------------------------------------------------------------------- completions
@@ -468,10 +484,25 @@ class CompletionRequest(SamplingFields):
     logprobs: StrictInt | None = None
     return_token_ids: StrictBool | None = None
 
+    prompt_logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
+
     @model_validator(mode="after")
     def _checks(self):
         stream_options_need_stream(self.stream_options, self.stream)
+        prompt_logprobs_not_streamed(self.prompt_logprobs, self.stream)
+        if self.echo and (self.model_extra or {}).get("suffix"):
+            raise bad_request("Echo is unsupported with suffix.", param="suffix")
+        if self.echo and self.stream and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported on a stream (the prompt's logprobs are not "
+                              "streamed): send stream: false", param="echo", code="unsupported_parameter")
         return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        if self.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = self.prompt_logprobs
+        return kwargs
 
     @field_validator("prompt")
     @classmethod
