@@ -404,9 +404,16 @@ ROWS = _rows() + [
       for name, value in (("logit_bias", {"9707": 5}), ("min_tokens", 1), ("allowed_token_ids", [9707]),
                           ("bad_words", ["hello"]), ("best_of", 2), ("use_beam_search", True),
                           ("structured_outputs", {"regex": "[a-z]+"}), ("guided_regex", "[a-z"),
-                          ("truncate_prompt_tokens", 2), ("prompt_logprobs", 1), ("priority", 3),
+                          ("truncate_prompt_tokens", 2), ("priority", 3),
                           ("cache_salt", "tenant-a"), ("vllm_xargs", {"a": 1}), ("thinking_token_budget", 8),
-                          ("include_reasoning", False), ("spaces_between_special_tokens", False))],
+                          ("spaces_between_special_tokens", False))],
+    # served on chat and completions as vLLM serves them (tests/test_serve_vs_vllm.py); Responses has them not
+    *[p(Bad("responses", {name: value}, param=name, code="unsupported_parameter"), id=f"responses-unhonoured-{name}")
+      for name, value in (("prompt_logprobs", 1), ("include_reasoning", False))],
+    *[p(Bad(route, fields, param="prompt_logprobs"), id=f"{route}-prompt-logprobs-{label}")
+      for route in ("chat", "completions")
+      for label, fields in (("below-minus-one", {"prompt_logprobs": -2}), ("over-max", {"prompt_logprobs": 21}),
+                            ("string", {"prompt_logprobs": "1"}), ("streamed", {"prompt_logprobs": 1, "stream": True}))],
     *[p(Bad("chat", {name: value}, param=name, code="unsupported_parameter"), id=f"chat-unhonoured-{name}")
       for name, value in (("chat_template", "{{ messages }}"), ("add_generation_prompt", False),
                           ("continue_final_message", True), ("echo", True), ("documents", [{"title": "t", "text": "x"}]),
@@ -414,7 +421,10 @@ ROWS = _rows() + [
                           ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
                           ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}))],
     *[p(Bad("completions", {name: value}, param=name, code="unsupported_parameter"), id=f"completions-unhonoured-{name}")
-      for name, value in (("echo", True), ("echo", 1), ("suffix", "x"), ("response_format", {"type": "json_object"}))],
+      for name, value in (("suffix", "x"), ("response_format", {"type": "json_object"}))],
+    p(Bad("completions", {"echo": 1}, param="echo"), id="completions-echo-not-a-bool"),
+    p(Bad("completions", {"echo": True, "stream": True, "logprobs": 1}, param="echo", code="unsupported_parameter"),
+      id="completions-echo-logprobs-streamed"),
     *[p(Bad("responses", {name: value}, param=name, code="unsupported_parameter"), id=f"responses-unhonoured-{name}")
       for name, value in (("background", True), ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}),
                           ("truncation", "auto"), ("max_tool_calls", 2), ("include", ["file_search_call.results"]))],

@@ -21,7 +21,15 @@ error_frame = error_event
 from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnResult
 
 
+class CompletionLogprobs(cc.Logprobs):
+    """vLLM's completions logprobs: an echoed prompt's first position has no logprob and no alternatives."""
+
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
 class RolloutCompletionChoice(cc.CompletionChoice):
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None  # vLLM's reasons include "abort"; None while streaming
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -52,7 +60,7 @@ def call(req: CompletionRequest) -> CompletionCall:
                           echo=bool(req.echo), discard_output=discard)
 
 
-def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> cc.Logprobs:
+def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> CompletionLogprobs:
     """vLLM's completions logprobs: per position the sampled token first, then the top ``k`` by rank
     (the sampled one once), keyed by their text; ``text_offset`` counts the tokens' text from ``offset``."""
     strs = strs or [{}] * len(ids)
@@ -65,11 +73,11 @@ def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> cc.Logprobs:
     for tid, lp, top, s in zip(ids, lps, tops or [None] * len(ids), strs):
         ranked = {tid: lp, **{t: v for t, v in (top or {}).items() if t != tid}}
         top_logprobs.append({s.get(t, ""): clamped(v) for t, v in list(ranked.items())[:k + 1]})
-    return cc.Logprobs(text_offset=offsets, tokens=tokens, token_logprobs=[clamped(v) for v in lps],
+    return CompletionLogprobs(text_offset=offsets, tokens=tokens, token_logprobs=[clamped(v) for v in lps],
                        top_logprobs=top_logprobs)
 
 
-def _echoed_logprobs(result: TurnResult, k: int) -> cc.Logprobs:
+def _echoed_logprobs(result: TurnResult, k: int) -> CompletionLogprobs:
     """Echo with logprobs, as vLLM: the prompt's positions first (the first without logprobs, named by
     its text alone), from the prompt logprobs, then the generation's (none with max_tokens 0)."""
     prompt_ids = result.prompt_token_ids
@@ -87,7 +95,7 @@ def _echoed_logprobs(result: TurnResult, k: int) -> cc.Logprobs:
     for tok in tokens:
         offsets.append(offset)
         offset += len(tok)
-    return cc.Logprobs(text_offset=offsets + (out.text_offset if out else []), tokens=tokens + (out.tokens if out else []),
+    return CompletionLogprobs(text_offset=offsets + (out.text_offset if out else []), tokens=tokens + (out.tokens if out else []),
                        token_logprobs=token_lps + (out.token_logprobs if out else []),
                        top_logprobs=tops + (out.top_logprobs if out else []))
 
