@@ -354,6 +354,8 @@ class ServiceConfig(_Strict):
     )
     access_log: bool = Field(False, description="Ray Serve access log lines for every request (costs CPU per call).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by context).")
+    max_n: int = Field(64, ge=1, description="The largest `n` (choices per call) chat completions and completions "
+                       "accept; each choice is one call to the engines.")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 

@@ -354,7 +354,6 @@ ROWS = _rows() + [
     p(Bad("completions", {"prompt": [2**70]}, param="prompt"), id="completions-id-huge"),
     p(Bad("completions", {"prompt": []}, param="prompt"), id="completions-empty-ids"),
     p(Bad("completions", {"prompt": [[]]}, param="prompt"), id="completions-empty-nested"),
-    p(Bad("completions", {"prompt": [[1], [2]]}, param="prompt"), id="completions-two-prompts"),
     p(Bad("completions", {"prompt": [[[1]]]}, param="prompt"), id="completions-nested-too-deep"),
     p(Bad("completions", {"prompt": [1, "a"]}, param="prompt"), id="completions-ids-and-text-mixed"),
     p(Bad("completions", {"prompt": [True, False]}, param="prompt"), id="completions-bool-ids"),
@@ -386,7 +385,9 @@ ROWS = _rows() + [
           ("stop", "too-many", ["a"] * 17, "stop"), ("stop", "empty-string", [""], "stop"),
           ("ignore_eos", "int", 1, "ignore_eos"), ("skip_special_tokens", "string", "no", "skip_special_tokens"),
           ("stream", "string", "yes", "stream"),
-      )],
+      ) if not (route == "completions" and (name, label) == ("n", "two"))],  # completions answer n choices
+    p(Bad("completions", {"n": 65}, param="n"), id="completions-n-over-max"),
+    p(Bad("completions", {"prompt": ["a"] * 1025}, param="prompt"), id="completions-too-many-prompts"),
     p(Bad("chat", {"logprobs": "yes"}, param="logprobs"), id="chat-logprobs-string"),
     p(Bad("chat", {"logprobs": 1}, param="logprobs"), id="chat-logprobs-int"),
     p(Bad("chat", {"logprobs": True, "top_logprobs": 21}, param="top_logprobs"), id="chat-top-logprobs-over-max"),

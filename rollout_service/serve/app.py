@@ -26,6 +26,8 @@ replica looks up (or creates) on start, so the app works the same under ``serve 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import time
@@ -50,6 +52,7 @@ from rollout_service.serve.protocol.openai import (
 )
 from rollout_service.serve.dialects import chat, completions, responses, tokens
 from rollout_service.serve.dialects.common import RolloutHeaders, RolloutIdPath, rollout_headers, valid_rollout_id
+from rollout_service.serve.fanout import check_n, child_sampling, merge_answers, merged_stream
 from rollout_service.serve.forwarding import ForwardingReplica
 from rollout_service.serve.http import (
     ROLLOUT_ERRORS,
@@ -227,12 +230,37 @@ class RolloutService(ForwardingReplica):
         dump = getattr(dialect, "DUMP_OPTIONS", {"exclude_unset": True})
         return Response(body.model_dump_json(**dump), media_type="application/json", headers=headers)
 
+    async def _answer_many(self, calls: list, dialect, req, stream: bool, prompt_of: list[int]):
+        """Several choices in one answer (serve/fanout.py): each choice one call (``calls``: their
+        event streams, in choice order), answered together; any call's error before the first byte
+        is the answer's."""
+        answers = await asyncio.gather(*(self._answer(events, dialect, req, stream) for events in calls),
+                                       return_exceptions=True)
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is not None:  # the others' streams are closed (their engine requests aborted), the error answers
+            for a in answers:
+                if isinstance(a, StreamingResponse):
+                    await a.body_iterator.aclose()
+            raise failed
+        if stream:
+            include_usage = bool((getattr(req, "stream_options", None) or {}).get("include_usage"))
+            return StreamingResponse(merged_stream([a.body_iterator for a in answers], prompt_of, include_usage),
+                                     media_type="text/event-stream", headers={"x-rollout-replica": self.replica_id})
+        merged = merge_answers([json.loads(a.body) for a in answers], prompt_of)
+        return Response(json.dumps(merged, separators=(",", ":"), ensure_ascii=False), media_type="application/json",
+                        headers={"x-rollout-replica": self.replica_id})
+
     # ------------------------------------------------------------------ routes
     @fastapi_app.post("/v1/chat/completions", responses=TURN_ERRORS, dependencies=KEYED)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request,
                                headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
         turn = chat.turn_request(body, headers)
+        n = check_n(body.n, self.config.service.max_n, turn.rollout_id)
+        if n > 1:
+            calls = [self._events(dataclasses.replace(turn, sampling=child_sampling(turn.sampling, j)), request)
+                     for j in range(n)]
+            return await self._answer_many(calls, chat, body, body.stream, [0] * n)
         return await self._answer(self._events(turn, request), chat, body, body.stream)
 
     @fastapi_app.post("/v1/responses", responses=TURN_ERRORS, dependencies=KEYED)
@@ -246,7 +274,13 @@ class RolloutService(ForwardingReplica):
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
         runner = await self._runner_or_503()
-        return await self._answer(runner.run_completion(completions.call(body)), completions, body, body.stream)
+        call = completions.call(body)
+        n, prompts = check_n(body.n, self.config.service.max_n, None), body.prompts()
+        if n == 1 and len(prompts) == 1:
+            return await self._answer(runner.run_completion(call), completions, body, body.stream)
+        calls = [runner.run_completion(dataclasses.replace(call, prompt=prompt, sampling=child_sampling(call.sampling, j)))
+                 for prompt in prompts for j in range(n)]
+        return await self._answer_many(calls, completions, body, body.stream, [p for p in range(len(prompts)) for _ in range(n)])
 
     @fastapi_app.post(tokens.ROUTE, responses=TURN_ERRORS, dependencies=KEYED,
                       openapi_extra={"requestBody": {"required": True, "content": {"application/json": {

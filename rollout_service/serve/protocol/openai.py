@@ -369,6 +369,7 @@ def template_kwargs(kwargs: dict[str, Any] | None, effort: str | None) -> dict[s
 
 
 INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)
+MAX_PROMPTS = 1024  # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS default)
 
 
 def stream_options_need_stream(stream_options: dict[str, Any] | None, stream: bool) -> None:
@@ -475,9 +476,9 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]], WithJsonSchema({"anyOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-         "minItems": 1, "maxItems": 1},
+         "minItems": 1, "maxItems": MAX_PROMPTS},
     ]})]
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
@@ -506,19 +507,25 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (list, str)):
-            if len(v) != 1:
-                raise ValueError("exactly one prompt per request is supported")
-            v = v[0]
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt token list is empty")
-            if any((not isinstance(t, int)) or t < 0 for t in v):
-                raise ValueError("prompt token ids must be non-negative integers")
-        elif v == "":
-            raise ValueError("prompt is empty")
-        return v
+    def _prompts(cls, v):
+        several = isinstance(v, list) and bool(v) and isinstance(v[0], (list, str))
+        if several and len(v) > MAX_PROMPTS:  # vLLM's bound and words
+            raise bad_request(f"prompt list length {len(v)} exceeds the maximum allowed count of {MAX_PROMPTS}.",
+                              param="prompt")
+        for one in (v if several else [v]):
+            if isinstance(one, list):
+                if not one:
+                    raise ValueError("prompt token list is empty")
+                if any((not isinstance(t, int)) or t < 0 for t in one):
+                    raise ValueError("prompt token ids must be non-negative integers")
+            elif one == "":
+                raise ValueError("prompt is empty")
+        return v[0] if several and len(v) == 1 else v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one, or several: vLLM answers each with its own choices)."""
+        several = isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], (list, str))
+        return list(self.prompt) if several else [self.prompt]
 
 
 # ----------------------------------------------------------------------------- responses

@@ -1,0 +1,120 @@
+"""Several choices in one call, as vLLM's server answers them: ``n > 1`` (chat completions and
+completions) and several prompts in one completions request.
+
+vLLM's engine turns ``n`` into ``n`` child requests (the child ``j`` sampled with ``seed + j`` when
+the call has a seed) and a list of prompts into one request per prompt; the server merges their
+outputs: choice ``index = prompt * n + j``, usage with each prompt counted once and the generated
+tokens summed, streamed chunks interleaved in the order they come (each naming its choice), one
+usage chunk at the end. Here each choice is one ordinary call of the turn runner, answered by its
+dialect as a one-choice answer, and the answers are merged the same way. Without a rollout id only:
+``n`` samples under one rollout id would be a group of rollouts (one per sample), not one rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from rollout_service.serve.protocol.openai import bad_request
+
+DONE = b"data: [DONE]\n\n"
+
+
+def child_sampling(sampling: dict[str, Any], j: int) -> dict[str, Any]:
+    """Sample ``j``'s parameters: n = 1 and, with a seed, vLLM's child seed ``seed + j``."""
+    child = {k: v for k, v in sampling.items() if k != "n"}
+    if child.get("seed") is not None:
+        child["seed"] = child["seed"] + j
+    return child
+
+
+def merge_answers(bodies: list[dict[str, Any]], prompt_of: list[int]) -> dict[str, Any]:
+    """One-choice answers (JSON dicts, in choice order) as one: the first's envelope, every choice
+    with its index, the usage summed with each prompt counted once (``prompt_of``: each choice's prompt)."""
+    merged = dict(bodies[0])
+    merged["choices"] = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
+    if merged.get("usage") is not None:
+        merged["usage"] = summed_usage([b.get("usage") or {} for b in bodies], prompt_of)
+    return merged
+
+
+def summed_usage(usages: list[dict[str, Any]], prompt_of: list[int]) -> dict[str, Any]:
+    """vLLM's usage of several choices: each prompt's tokens once, the generated tokens of all."""
+    firsts = {p: i for i, p in reversed(list(enumerate(prompt_of)))}
+    prompt = sum(usages[i].get("prompt_tokens", 0) for i in firsts.values())
+    completion = sum(u.get("completion_tokens", 0) for u in usages)
+    out = dict(usages[0])
+    out.update(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    details = [u.get("completion_tokens_details") for u in usages]
+    if any(details):
+        out["completion_tokens_details"] = {"reasoning_tokens": sum((d or {}).get("reasoning_tokens") or 0 for d in details)}
+    return out
+
+
+async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int],
+                        include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE frames of several one-choice streams as one stream: every chunk re-indexed to its choice
+    and under one id, interleaved as they come; their usage chunks and ``[DONE]`` replaced by one
+    summed usage chunk (if asked) and one ``[DONE]``. An error event of any choice ends the stream."""
+    cid = None
+    queue: asyncio.Queue = asyncio.Queue()
+    usages: list[dict[str, Any] | None] = [None] * len(streams)
+    template: dict[str, Any] | None = None
+
+    async def pump(i: int, frames: AsyncIterator[bytes]) -> None:
+        try:
+            async for frame in frames:
+                await queue.put((i, frame))
+        except Exception as exc:  # the dialect's stream turns call errors into error events; this is a bug
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    open_streams = len(tasks)
+    try:
+        while open_streams:
+            i, frame = await queue.get()
+            if frame is None:
+                open_streams -= 1
+                continue
+            if isinstance(frame, Exception):
+                raise frame
+            if not frame.startswith(b"data: ") or frame == DONE:
+                continue
+            chunk = json.loads(frame[6:])
+            if "error" in chunk and "choices" not in chunk:
+                yield frame
+                return
+            if not chunk.get("choices") and chunk.get("usage") is not None:
+                usages[i] = chunk["usage"]
+                template = template or chunk
+                continue
+            cid = cid or chunk.get("id") or uuid.uuid4().hex
+            chunk["id"] = cid
+            for choice in chunk.get("choices", []):
+                choice["index"] = i
+            yield b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+        if include_usage and template is not None and all(u is not None for u in usages):
+            template = {**template, "id": cid or template.get("id"),
+                        "usage": summed_usage(usages, prompt_of)}
+            yield b"data: " + json.dumps(template, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+        yield DONE
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def check_n(n: int | None, max_n: int, rollout_id: str | None) -> int:
+    """The call's ``n`` (1 when unset); 400 outside 1..max_n, or above 1 under a rollout id."""
+    n = 1 if n is None else n
+    if not 1 <= n <= max_n:
+        raise bad_request(f"n must be in [1, {max_n}] (service.max_n), got {n}", param="n")
+    if n > 1 and rollout_id is not None:
+        raise bad_request("n > 1 under a rollout id is not supported yet: each sample of a group is its own rollout "
+                          "(send one call per sample, each with its own X-Rollout-Id, and X-Rollout-Group to group "
+                          "them)", param="n", code="unsupported_parameter")
+    return n
