@@ -25,6 +25,7 @@ from vllm_conformance import Case, Outcome, differences, send
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+TITO_REQUESTS, TITO_MAX_TOKENS = 4, 12
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Say hello to the world."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -110,15 +111,18 @@ CASE_NAMES = [c.name for c in table("x", "y")]
 def vllm_side(service, tiny_model_dir, tiny_tokenizer):
     """vLLM's answers to the table (and the stop strings probed from its greedy output)."""
     from bench_service_vs_vllm import SERVED_NAME, VLLMServer
+    from compare_tito_vllm import requests, run_all
 
     cfg = service.config
     with tempfile.TemporaryDirectory(prefix="vllm-contract-") as tmp:
         server = VLLMServer(cfg.engine, str(tiny_model_dir), Path(tmp) / "vllm.log")
-        server.cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.chat.tool_parser]
+        # --enable-scale-out: vLLM's token-in-token-out route too (the TITO test below shares this server)
+        server.cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.chat.tool_parser, "--enable-scale-out"]
         cache = os.environ.get("VLLM_CONTRACT_CACHE")  # development only: reuse vLLM's answers
         if cache and Path(cache).exists():
             data = json.loads(Path(cache).read_text())
-            return {c.name: c for c in table(*data["stops"])}, {k: Outcome(**v) for k, v in data["answers"].items()}
+            return ({c.name: c for c in table(*data["stops"])}, {k: Outcome(**v) for k, v in data["answers"].items()},
+                    data["tito"])
         try:
             server.start(timeout=300)
             stops = []
@@ -130,17 +134,19 @@ def vllm_side(service, tiny_model_dir, tiny_tokenizer):
                 stops.append(_probe_stop([tiny_tokenizer.decode([t]) for t in ids]))
             cases = {c.name: c for c in table(*stops)}
             answers = {name: send(server.url, SERVED_NAME, case) for name, case in cases.items()}
+            tito = run_all(server.url, SERVED_NAME, requests(TITO_REQUESTS, TITO_MAX_TOKENS))
         finally:
             server.stop()
         if cache:
-            Path(cache).write_text(json.dumps({"stops": stops, "answers": {k: vars(v) for k, v in answers.items()}}))
-    return cases, answers
+            Path(cache).write_text(json.dumps({"stops": stops, "answers": {k: vars(v) for k, v in answers.items()},
+                                               "tito": tito}))
+    return cases, answers, tito
 
 
 @pytest.mark.parametrize("under_rollout", [False, True], ids=["plain", "rollout"])
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_the_service_answers_as_vllms_own_server(service, vllm_side, name, under_rollout):
-    cases, answers = vllm_side
+    cases, answers, _ = vllm_side
     case = cases[name]
     if under_rollout:
         case = Case(case.name, case.path, case.body, {**case.headers, "X-Rollout-Id": f"contract-{uuid.uuid4().hex[:12]}"},
@@ -165,7 +171,7 @@ def test_a_stop_string_cuts_the_text_not_the_recorded_turn(service, http, vllm_s
     """Under a rollout id the answer's text is vLLM's (cut before the stop string, inside a token),
     the stored turn keeps every sampled id and marks the cut, and the next call, which sends the cut
     text back, continues the rollout monotonically on those ids."""
-    cases, _ = vllm_side
+    cases, _, _ = vllm_side
     body = dict(cases["chat_stop"].body, model=MODEL)
     stop = body["stop"][0]
     rid = f"stop-{uuid.uuid4().hex[:12]}"
@@ -185,3 +191,23 @@ def test_a_stop_string_cuts_the_text_not_the_recorded_turn(service, http, vllm_s
     assert second["choices"][0]["message"]["rollout"]["monotonic"] is True
     prompt = second["choices"][0]["message"]["prompt_token_ids"]
     assert prompt[len(first["choices"][0]["message"]["prompt_token_ids"]):][:len(ids)] == ids
+
+
+def test_the_token_route_answers_as_vllms_own(service, vllm_side):
+    """The token-in-token-out route against vLLM's own (``POST /inference/v1/generate``, the same
+    server): the same requests (each with its seed, streamed and not, temperatures and top_p that
+    differ, 1-3 alternatives) give the same ids bit for bit, the same logprobs within 1e-6 and the
+    same alternatives. scripts/compare_tito_vllm.py is the longer run."""
+    from compare_tito_vllm import requests, run_all
+
+    reqs = requests(TITO_REQUESTS, TITO_MAX_TOKENS)
+    theirs = [tuple(t) for t in vllm_side[2]]
+    ours = run_all(service.url, MODEL, reqs)
+    assert {r["stream"] for r in reqs} == {True, False}
+    for body, (ids_v, lps_v, tops_v), (ids_s, lps_s, tops_s) in zip(reqs, theirs, ours):
+        assert len(ids_v) == TITO_MAX_TOKENS
+        assert ids_s == ids_v, body
+        assert lps_s == pytest.approx(lps_v, abs=1e-6), body
+        assert [[t for t, _ in row] for row in tops_s] == [[t for t, _ in row] for row in tops_v], body
+        assert all(len(row) >= 1 for row in tops_v)
+        assert [lp for row in tops_s for _, lp in row] == pytest.approx([lp for row in tops_v for _, lp in row], abs=1e-6)
