@@ -488,7 +488,10 @@ class RequestObservation:
             self.first_token_s = now - self.t0
 
     def result(self, prompt_tokens: int, generated: int, replayed: bool, weight_versions) -> None:
-        self.prompt_tokens, self.generated, self.replayed = prompt_tokens, generated, replayed
+        """One generation's result; the choices of one request (n > 1, several prompts) add up."""
+        self.prompt_tokens += prompt_tokens
+        self.generated = (self.generated or 0) + generated
+        self.replayed = replayed
         # Refits that landed during the generation: versions its spans name, less one (a span split
         # by kv_version is one version).
         self.version_lag = max(0, len({w["version"] if isinstance(w, dict) else w[0] for w in weight_versions or ()}) - 1)

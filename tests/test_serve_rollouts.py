@@ -112,7 +112,8 @@ def test_multi_turn_tool_rollout_is_exactly_on_policy(openai_client, http, tiny_
             new = messages[-1:]
     assert any(c["generation_token_ids"][-1] != IM_END for c in calls), "no turn exercised the missing end-of-turn path"
     seg = _trajectory_logprob_parity(http, tiny_model_dir, rid, calls, forced_turns, temperatures)
-    assert [t["finish_reason"] for t in seg["turns"]][0] in ("tool_calls", "stop")
+    # the first turn's call is named: vLLM's (and OpenAI's) finish reason for it is "stop"
+    assert [t["finish_reason"] for t in seg["turns"]][:3:2] == ["stop", "tool_calls"]
     assert len({w["version"] for w in seg["weight_versions"]}) == 1  # no refit ran during this rollout
 
 

@@ -67,6 +67,7 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("completion_echo_logprobs", C, {**cmpl, "echo": True, "logprobs": 1}),
         Case("completion_echo_max_tokens_0", C, {**cmpl, "echo": True, "max_tokens": 0, "logprobs": 0}),
         Case("completion_echo_stream", C, {**cmpl, "echo": True, "stream": True}),
+        Case("completion_echo_stream_token_ids", C, {**cmpl, "echo": True, "stream": True, "return_token_ids": True}),
         Case("completion_n", C, {**cmpl, "n": 3, "logprobs": 1}),
         Case("completion_n_stream", C, {**cmpl, "n": 2, "stream": True, "stream_options": {"include_usage": True}}),
         Case("completion_prompts", C, {**cmpl, "prompt": [PROMPT, "Once upon a time"], "n": 2}),

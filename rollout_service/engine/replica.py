@@ -263,8 +263,8 @@ class EngineReplica(RefitSteps, Scoring):
                                                        self._kv_reset_versions.get(request.request_id))
                 if out.prompt_logprobs is not None and not prompt_sent:
                     chunk.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs)
-                    prompt_sent = True
                 if ids or chunk.finish_reason:
+                    prompt_sent = prompt_sent or chunk.prompt_logprobs is not None
                     yield chunk
         finally:
             self._in_flight.pop(request.request_id, None)

@@ -102,7 +102,10 @@ class Progress:
         left = self.request.max_tokens - len(self.ids)
         if left <= 0:
             return None
-        return GenerateRequest(prompt_ids=[*self.request.prompt_ids, *self.ids], sampling=self.request.sampling,
+        # The prompt's logprobs came with the first engine's first chunk: not asked of the continuation.
+        sampling = (self.request.sampling if self.request.sampling.prompt_logprobs is None
+                    else self.request.sampling.model_copy(update={"prompt_logprobs": None}))
+        return GenerateRequest(prompt_ids=[*self.request.prompt_ids, *self.ids], sampling=sampling,
                                max_tokens=left, batch_window_s=self.request.batch_window_s,
                                rollout_id=self.request.rollout_id)
 

@@ -86,8 +86,8 @@ def logprob_parity(trajectory: dict[str, Any], model_path: str) -> tuple[int, fl
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([seg["token_ids"]])).logits[0].float(), dim=-1)
         for turn in seg["turns"]:
-            if turn["finish_reason"] == "tool_calls":
-                continue  # forced by a grammar: sampled from the masked distribution
+            if turn.get("constrained"):
+                continue  # sampled under a grammar (a forced call): from the masked distribution
             for pos in range(turn["gen_start"], turn["gen_end"]):
                 worst = max(worst, abs(seg["logprobs"][pos] - logp[pos - 1, seg["token_ids"][pos]].item()))
                 n += 1

@@ -234,14 +234,23 @@ class RolloutService(ForwardingReplica):
         """Several choices in one answer (serve/fanout.py): each choice one call (``calls``: their
         event streams, in choice order), answered together; any call's error before the first byte
         is the answer's."""
-        answers = await asyncio.gather(*(self._answer(events, dialect, req, stream) for events in calls),
-                                       return_exceptions=True)
-        failed = next((a for a in answers if isinstance(a, BaseException)), None)
-        if failed is not None:  # the others' streams are closed (their engine requests aborted), the error answers
-            for a in answers:
-                if isinstance(a, StreamingResponse):
-                    await a.body_iterator.aclose()
+        tasks = [asyncio.ensure_future(self._answer(events, dialect, req, stream)) for events in calls]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            failed = next((t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+            if failed is not None or any(not t.done() for t in tasks):  # an error, or this call was cancelled
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for events in calls:  # the choices' calls end (their engine requests aborted)
+                    try:
+                        await events.aclose()
+                    except Exception:  # already ended with its own error
+                        pass
+        if failed is not None:
             raise failed
+        answers = [t.result() for t in tasks]
         if stream:
             include_usage = bool((getattr(req, "stream_options", None) or {}).get("include_usage"))
             return StreamingResponse(merged_stream([a.body_iterator for a in answers], prompt_of, include_usage),
@@ -275,7 +284,8 @@ class RolloutService(ForwardingReplica):
         self._check_model(body.model)
         runner = await self._runner_or_503()
         call = completions.call(body)
-        n, prompts = check_n(body.n, self.config.service.max_n, None), body.prompts()
+        prompts = body.prompts()
+        n = check_n(body.n, self.config.service.max_n, None, len(prompts))
         if n == 1 and len(prompts) == 1:
             return await self._answer(runner.run_completion(call), completions, body, body.stream)
         calls = [runner.run_completion(dataclasses.replace(call, prompt=prompt, sampling=child_sampling(call.sampling, j)))

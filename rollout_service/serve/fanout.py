@@ -25,7 +25,7 @@ DONE = b"data: [DONE]\n\n"
 def child_sampling(sampling: dict[str, Any], j: int) -> dict[str, Any]:
     """Sample ``j``'s parameters: n = 1 and, with a seed, vLLM's child seed ``seed + j``."""
     child = {k: v for k, v in sampling.items() if k != "n"}
-    if child.get("seed") is not None:
+    if child.get("seed") not in (None, -1):  # -1 is vLLM's "no seed": every child unseeded
         child["seed"] = child["seed"] + j
     return child
 
@@ -87,6 +87,7 @@ async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int
             chunk = json.loads(frame[6:])
             if "error" in chunk and "choices" not in chunk:
                 yield frame
+                yield DONE
                 return
             if not chunk.get("choices") and chunk.get("usage") is not None:
                 usages[i] = chunk["usage"]
@@ -97,9 +98,11 @@ async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int
             for choice in chunk.get("choices", []):
                 choice["index"] = i
             yield b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-        if include_usage and template is not None and all(u is not None for u in usages):
+        if include_usage and template is not None:
+            # (a choice whose stream ended without its usage chunk, e.g. a lost engine, adds nothing)
+            came = [(u, p) for u, p in zip(usages, prompt_of) if u is not None]
             template = {**template, "id": cid or template.get("id"),
-                        "usage": summed_usage(usages, prompt_of)}
+                        "usage": summed_usage([u for u, _ in came], [p for _, p in came])}
             yield b"data: " + json.dumps(template, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
         yield DONE
     finally:
@@ -108,11 +111,18 @@ async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def check_n(n: int | None, max_n: int, rollout_id: str | None) -> int:
-    """The call's ``n`` (1 when unset); 400 outside 1..max_n, or above 1 under a rollout id."""
+MAX_CHOICES = 1024  # choices (prompts x n) of one call: each is one engine request
+
+
+def check_n(n: int | None, max_n: int, rollout_id: str | None, prompts: int = 1) -> int:
+    """The call's ``n`` (1 when unset); 400 outside 1..max_n, above 1 under a rollout id, or when
+    prompts x n exceeds MAX_CHOICES."""
     n = 1 if n is None else n
     if not 1 <= n <= max_n:
         raise bad_request(f"n must be in [1, {max_n}] (service.max_n), got {n}", param="n")
+    if prompts * n > MAX_CHOICES:
+        raise bad_request(f"{prompts} prompts x n={n} is {prompts * n} choices; at most {MAX_CHOICES} per call",
+                          param="n")
     if n > 1 and rollout_id is not None:
         raise bad_request("n > 1 under a rollout id is not supported yet: each sample of a group is its own rollout "
                           "(send one call per sample, each with its own X-Rollout-Id, and X-Rollout-Group to group "

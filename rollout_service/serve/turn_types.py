@@ -107,6 +107,7 @@ class CompletionCall:
     stream: bool = False
     want_token_strs: bool = False
     echo: bool = False  # the answer's text (and logprobs) start with the prompt's
+    echo_text: bool = True  # with echo: the prompt's text too (vLLM leaves it out with return_token_ids)
     discard_output: bool = False  # echo with max_tokens 0: one token generated and left out, as vLLM does
 
 

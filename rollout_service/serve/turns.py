@@ -548,7 +548,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
             raise bad_request(f"prompt token id {bad} is out of range (vocabulary size {self.vocab_size})", param="prompt")
         sampling = self._sampling(call.sampling, call.top_logprobs)
         max_tokens = self._max_tokens(call.max_tokens, len(ids_in))
-        echo = ({"text": prompt if isinstance(prompt, str) else self.tokenizer.decode(ids_in),
+        echo = ({"text": "" if not call.echo_text else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids_in),
                  "first_token": self.tokenizer.decode([ids_in[0]])} if call.echo else None)
         decoder = StreamParser(self.tokenizer, reasoning_parser=None, chat_template_kwargs=None, prompt_ids=ids_in,
                                hold_tool_calls=False, stop=sampling.stop,

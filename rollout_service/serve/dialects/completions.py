@@ -57,7 +57,7 @@ def call(req: CompletionRequest) -> CompletionCall:
         sampling["prompt_logprobs"] = req.logprobs  # vLLM: echoed logprobs cover the prompt too
     return CompletionCall(prompt=req.prompt, sampling=sampling, max_tokens=1 if discard else max_tokens,
                           top_logprobs=req.logprobs or 0, stream=req.stream, want_token_strs=req.logprobs is not None,
-                          echo=bool(req.echo), discard_output=discard)
+                          echo=bool(req.echo), echo_text=not req.return_token_ids, discard_output=discard)
 
 
 def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> CompletionLogprobs:

@@ -1,0 +1,101 @@
+"""Several choices in one answer (serve/fanout.py), on the frames and bodies the dialects produce:
+re-indexed choices under one id, usage with each prompt once, one [DONE], an error that ends every
+choice. The whole path against vLLM's own server is in tests/test_serve_vs_vllm.py (n, prompts)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rollout_service.serve.fanout import MAX_CHOICES, check_n, child_sampling, merge_answers, merged_stream
+from rollout_service.serve.protocol.openai import ServiceError
+
+
+def _frame(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _chunks(sid: str, texts: list[str], usage: dict | None, closed: list, delay: float = 0.0):
+    async def frames():
+        try:
+            for t in texts:
+                await asyncio.sleep(delay)
+                yield _frame({"id": sid, "object": "text_completion", "choices": [{"index": 0, "text": t}]})
+            if usage is not None:
+                yield _frame({"id": sid, "object": "text_completion", "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+        finally:
+            closed.append(sid)
+    return frames()
+
+
+def _read(frames) -> list:
+    async def run():
+        return [f async for f in frames]
+    return asyncio.run(run())
+
+
+def test_streams_merge_under_one_id_reindexed_with_one_usage_and_one_done():
+    closed: list = []
+    usage = lambda p, c: {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}  # noqa: E731
+    streams = [_chunks("a", ["x", "y"], usage(5, 2), closed), _chunks("b", ["z"], usage(5, 1), closed),
+               _chunks("c", ["w"], usage(3, 1), closed)]
+    out = _read(merged_stream(streams, [0, 0, 1], include_usage=True))
+    assert out[-1] == b"data: [DONE]\n\n" and out.count(b"data: [DONE]\n\n") == 1
+    chunks = [json.loads(f[6:]) for f in out[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    texts: dict = {}
+    for c in chunks[:-1]:
+        for ch in c["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+    assert texts == {0: "xy", 1: "z", 2: "w"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage(8, 4)  # prompts 0 and 1 once each
+    assert sorted(closed) == ["a", "b", "c"]
+
+
+def test_an_error_event_ends_the_merged_stream_and_every_choice():
+    closed: list = []
+
+    async def failing():
+        try:
+            yield _frame({"error": {"message": "engine lost", "type": "service_unavailable", "code": 503}})
+            yield b"data: [DONE]\n\n"
+        finally:
+            closed.append("bad")
+
+    slow = _chunks("slow", ["a"] * 50, None, closed, delay=0.05)
+    out = _read(merged_stream([slow, failing()], [0, 0], include_usage=False))
+    assert json.loads(out[-2][6:])["error"]["code"] == 503 and out[-1] == b"data: [DONE]\n\n"
+    assert "slow" in closed  # the other choice's stream was closed, not left running
+
+
+def test_a_choice_without_its_usage_chunk_leaves_the_others_usage():
+    closed: list = []
+    streams = [_chunks("a", ["x"], {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}, closed),
+               _chunks("b", ["y"], None, closed)]
+    chunks = [json.loads(f[6:]) for f in _read(merged_stream(streams, [0, 0], include_usage=True))[:-1]]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+
+
+def test_answers_merge_with_their_indexes_and_the_usage_of_each_prompt_once():
+    body = lambda text, p, c, r: {"id": text, "choices": [{"index": 0, "text": text}],  # noqa: E731
+                                  "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                                            "completion_tokens_details": {"reasoning_tokens": r}}}
+    merged = merge_answers([body("a", 7, 3, 1), body("b", 7, 2, 2), body("c", 4, 5, 0)], [0, 0, 1])
+    assert merged["id"] == "a" and [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "a"), (1, "b"), (2, "c")]
+    assert merged["usage"] == {"prompt_tokens": 11, "completion_tokens": 10, "total_tokens": 21,
+                               "completion_tokens_details": {"reasoning_tokens": 3}}
+
+
+def test_child_seeds_and_bounds_are_vllms():
+    assert [child_sampling({"n": 3, "seed": 10, "top_p": 0.5}, j) for j in range(2)] == [
+        {"seed": 10, "top_p": 0.5}, {"seed": 11, "top_p": 0.5}]
+    assert child_sampling({"n": 2, "seed": -1}, 1) == {"seed": -1}  # vLLM's "no seed": every child unseeded
+    assert child_sampling({"n": 2}, 1) == {}
+    assert check_n(None, 64, None) == 1 and check_n(64, 64, None) == 64
+    for n, rid, prompts in ((0, None, 1), (65, None, 1), (2, "r", 1), (2, None, MAX_CHOICES)):
+        with pytest.raises(ServiceError) as info:
+            check_n(n, 64, rid, prompts)
+        assert info.value.status == 400 and info.value.param == "n"
