@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from rollout_service.serve.constraints import (
 from rollout_service.serve.dialects.common import optional_rollout_id
 from rollout_service.serve.errors import engine_refusal, http_error, key_reused
 from rollout_service.serve.reads import RolloutReads
+from rollout_service.serve.token_texts import TokenTexts, context_of
 from rollout_service.serve.seams import SeamStops
 from rollout_service.serve.steering import RolloutSteering, StaleRollout
 from rollout_service.serve.streaming import StreamParser
@@ -67,10 +67,6 @@ logger = logging.getLogger(__name__)
 
 _CLIENT_ERRORS = (HistoryConflict, UnsupportedConversation, InvalidEcho, InvalidPrefix, PrefixNotContinuable)
 
-UTF8_CONTEXT = 4  # sampled ids before a token that can hold the rest of its UTF-8 character
-REPLACEMENT_CHAR = "\ufffd"
-LOGPROB_FLOOR = -9999.0  # vLLM's JSON for a logprob of -inf
-TOKEN_TEXT_CACHE = 200_000  # ids whose text alone is kept (a vocabulary's worth)
 REPLAY_WAIT_S = 600.0  # a retry waits at most this long for the original call still in flight
 
 
@@ -104,7 +100,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
         self.template = _chat_template(config, tokenizer)
         self.constraints = Constraints(config, tokenizer)
         self.vocab_size = _vocab_size(config, tokenizer)
-        self._token_texts: dict[int, str] = {}
+        self.texts = TokenTexts(tokenizer)
         self.max_model_len = config.engine.max_model_len
         self.in_flight: dict[str, _InFlight] = {}
 
@@ -237,25 +233,10 @@ class TurnRunner(RolloutReads, RolloutSteering):
             raise http_error(exc) from None
 
     def token_strs(self, ids, tops=None, context=()) -> list[dict[int, str]]:
-        """Per position, the text of the sampled id and of its alternatives as vLLM's logprobs name them:
-        each token decoded alone, except that a token ending in half a UTF-8 character is decoded
-        after the sampled ids before it (``context``: the generation's ids before ``ids``), which
-        completes the character or leaves it empty."""
-        out: list[dict[int, str]] = []
-        before = [int(t) for t in context[-UTF8_CONTEXT:]]
-        for i, tid in enumerate(ids):
-            alts = [int(tid), *(int(t) for t in ((tops[i] if tops and i < len(tops) else None) or {}) if t != tid)]
-            out.append({t: self._token_text(t, before) for t in alts})
-            before = (before + [int(tid)])[-UTF8_CONTEXT:]
-        return out
+        return self.texts.token_strs(ids, tops, context)
 
-    def _decoded_alone(self, tid: int) -> str:
-        text = self._token_texts.get(tid)
-        if text is None:
-            if len(self._token_texts) >= TOKEN_TEXT_CACHE:
-                self._token_texts.clear()
-            text = self._token_texts[tid] = self.tokenizer.decode([tid])
-        return text
+    def prompt_logprobs(self, prompt_ids: list[int], positions: list) -> list[dict[str, dict[str, Any]] | None]:
+        return self.texts.prompt_logprobs(prompt_ids, positions)
 
     def _reasoning_tokens(self, ids: list[int], req: TurnRequest) -> int | None:
         """The configured reasoning parser's count of reasoning ids (vLLM's usage detail); None without one."""
@@ -264,38 +245,6 @@ class TurnRunner(RolloutReads, RolloutSteering):
             return None
         return count_reasoning_tokens(ids, tokenizer=self.tokenizer, reasoning_parser=parser,
                                       chat_template_kwargs=self._template_kwargs(req))
-
-    def prompt_logprobs(self, prompt_ids: list[int], positions: list) -> list[dict[str, dict[str, Any]] | None]:
-        """vLLM's ``prompt_logprobs`` answer: per prompt position None (the first) or, keyed by token id,
-        each entry's ``logprob`` (-inf as -9999.0), ``rank`` and ``decoded_token``, the prompt's own token first
-        (a token's text is completed by the prompt tokens before it that have entries, as vLLM names them)."""
-        out: list[dict[str, dict[str, Any]] | None] = []
-        for j, entry in enumerate(positions):
-            if entry is None:
-                out.append(None)
-                continue
-            strs = self.token_strs([prompt_ids[j]], [{t: lp for t, lp, _ in entry}], prompt_ids[1:j][-UTF8_CONTEXT:])[0]
-            out.append({str(t): {"logprob": max(lp, LOGPROB_FLOOR), "rank": rank, "decoded_token": strs.get(t, "")}
-                        for t, lp, rank in entry})
-        return out
-
-    def _token_text(self, tid: int, before: list[int]) -> str:
-        alone = self._decoded_alone(tid)
-        if not alone.endswith(REPLACEMENT_CHAR):
-            return alone
-        for n in range(1, len(before) + 1):
-            ctx = before[-n:]
-            whole = self.tokenizer.decode(ctx + [tid])
-            if whole.endswith(REPLACEMENT_CHAR):
-                continue
-            # The context's own unfinished bytes (tokens that read as empty) belong to this token's text.
-            clean = len(ctx)
-            while clean > 0 and self._decoded_alone(ctx[clean - 1]).endswith(REPLACEMENT_CHAR):
-                clean -= 1
-            prefix = self.tokenizer.decode(ctx[:clean]) if clean else ""
-            common = len(os.path.commonprefix([prefix, whole]))
-            return whole[common:]
-        return ""
 
     # ------------------------------------------------------------------ a call
     def run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
@@ -452,7 +401,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
                     yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
                                      reasoning=reasoning, content=content,
                                      token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs,
-                                                                _context(ids, len(chunk.token_ids)))
+                                                                context_of(ids, len(chunk.token_ids)))
                                      if req.want_token_strs else None,
                                      prompt_token_ids=None if prompt_sent else plan.prompt_ids)
                     prompt_sent = True
@@ -574,7 +523,7 @@ class TurnRunner(RolloutReads, RolloutSteering):
                     yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
                                      content=text, prompt_token_ids=None if prompt_sent else ids_in,
                                      token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs,
-                                                                _context(ids, len(chunk.token_ids)))
+                                                                context_of(ids, len(chunk.token_ids)))
                                      if call.want_token_strs else None)
                     prompt_sent = True
         stop_string = ((final.stop_reason, sampling.include_stop_str_in_output)
@@ -645,12 +594,6 @@ class TurnRunner(RolloutReads, RolloutSteering):
                 self.fleet.report_pin_move()
 
 
-
-
-def _context(ids: list[int], new: int) -> list[int]:
-    """The ids before the last ``new`` that can hold the start of a character the next one completes."""
-    end = len(ids) - new
-    return ids[max(0, end - UTF8_CONTEXT):end]
 
 
 async def _counted(mode: str, events: AsyncIterator) -> AsyncIterator:

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from rollout_service.serve.errors import http_error
 from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.token_texts import LOGPROB_FLOOR
 from rollout_service.serve.turn_types import ToolChoice
 from rollout_service.store.base import ROLLOUT_ID_PATTERN, InvalidRolloutId, validate_rollout_id
 
@@ -189,7 +190,6 @@ def error_event(exc: ServiceError) -> bytes:
     return sse(exc.envelope())
 
 
-LOGPROB_FLOOR = -9999.0  # vLLM's JSON for a logprob of -inf (a token the sampler filtered out)
 
 
 def clamped(logprob: float | None) -> float | None:

@@ -431,7 +431,28 @@ RequiredPrefix = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "array", "ite
                                                           {"type": "null"}]})]
 
 
-class ChatCompletionRequest(SamplingFields):
+class GenerationFields(SamplingFields):
+    """vLLM's fields chat completions and completions share beyond sampling, and their rules."""
+
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    return_token_ids: StrictBool | None = None
+    prompt_logprobs: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _stream_rules(self):
+        stream_options_need_stream(self.stream_options, self.stream)
+        prompt_logprobs_not_streamed(self.prompt_logprobs, self.stream)
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        if self.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = self.prompt_logprobs
+        return kwargs
+
+
+class ChatCompletionRequest(GenerationFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
@@ -440,14 +461,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | AllowedToolsChoice | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     max_completion_tokens: StrictInt | None = None
-    stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
-    prompt_logprobs: StrictInt | None = None
     include_reasoning: StrictBool = True
     required_prefix_token_ids: RequiredPrefix = None
     response_format: ResponseFormat | None = None
@@ -459,19 +476,11 @@ class ChatCompletionRequest(SamplingFields):
     def _checks(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
-        stream_options_need_stream(self.stream_options, self.stream)
-        prompt_logprobs_not_streamed(self.prompt_logprobs, self.stream)
         return self
-
-    def sampling_kwargs(self) -> dict[str, Any]:
-        kwargs = super().sampling_kwargs()
-        if self.prompt_logprobs is not None:
-            kwargs["prompt_logprobs"] = self.prompt_logprobs
-        return kwargs
 
 
 # ----------------------------------------------------------------------------- completions
-class CompletionRequest(SamplingFields):
+class CompletionRequest(GenerationFields):
     model: str
     prompt: Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]], WithJsonSchema({"anyOf": [
         {"type": "string", "minLength": 1},
@@ -480,30 +489,17 @@ class CompletionRequest(SamplingFields):
         {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
          "minItems": 1, "maxItems": MAX_PROMPTS},
     ]})]
-    stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
     logprobs: StrictInt | None = None
-    return_token_ids: StrictBool | None = None
-
-    prompt_logprobs: StrictInt | None = None
     echo: StrictBool | None = None
 
     @model_validator(mode="after")
     def _checks(self):
-        stream_options_need_stream(self.stream_options, self.stream)
-        prompt_logprobs_not_streamed(self.prompt_logprobs, self.stream)
         if self.echo and (self.model_extra or {}).get("suffix"):
             raise bad_request("Echo is unsupported with suffix.", param="suffix")
         if self.echo and self.stream and self.logprobs is not None:
             raise bad_request("echo with logprobs is not supported on a stream (the prompt's logprobs are not "
                               "streamed): send stream: false", param="echo", code="unsupported_parameter")
         return self
-
-    def sampling_kwargs(self) -> dict[str, Any]:
-        kwargs = super().sampling_kwargs()
-        if self.prompt_logprobs is not None:
-            kwargs["prompt_logprobs"] = self.prompt_logprobs
-        return kwargs
 
     @field_validator("prompt")
     @classmethod
