@@ -208,10 +208,13 @@ def _init_ray(num_cpus: int, address: str | None, metrics_port: int | None = Non
 
 def check_port_free(port: int, what: str, host: str = "127.0.0.1", flag: str | None = None) -> None:
     """A taken port is refused here, naming it, not minutes later by a process Ray starts (its
-    metrics agent, Serve's proxy or HAProxy)."""
+    metrics agent, Serve's proxy or HAProxy). Bound as those listeners bind (``SO_REUSEADDR``): a
+    port held only by the closed connections of a service stopped a moment ago (TIME_WAIT) is free
+    for them, so it is free here; a process listening on it is not."""
     import socket
 
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
