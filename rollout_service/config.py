@@ -271,13 +271,19 @@ class StoreConfig(_Strict):
     recent_rollouts: int = Field(
         10_000, ge=0,
         description="Rollouts the recent index keeps, newest first (GET /rollouts, GET /v1/rollouts): one sorted set "
-        "trimmed on every append, so a page costs O(page), never a scan of the store. 0: no index.",
+        "written after each append's acknowledgement (the appends of the moment in one write) and trimmed there, so a "
+        "page costs O(page), never a scan of the store. 0: no index.",
     )
     timeout_s: float = Field(
         5.0, gt=0, description="Longest a store command waits for Redis's answer (a stalled or unreachable Redis): the "
         "turn then answers 503 store_unavailable, nothing stored, its rollout free for the retry. A call waits at most "
         "about (store.retries + 1) x this per store operation.")
     connect_timeout_s: float = Field(2.0, gt=0, description="Longest a new connection to Redis may take.")
+    max_connections: int = Field(
+        256, ge=1, description="Connections to Redis each data-plane replica (and each other store client) keeps at "
+        "most. On one Redis (redis://) a command that finds them all busy waits for a free one, at most "
+        "store.timeout_s (then 503 store_unavailable); a Redis Cluster's or Sentinel's client refuses past it "
+        "instead (redis-py has no waiting pool for those), so size it to the calls a replica runs at once.")
     retries: int = Field(
         2, ge=0, description="Times a store command that failed on a connection error or a timeout is sent again "
         "(exponential backoff with jitter; appends carry an id, so one that had landed is not applied twice).")
@@ -355,7 +361,8 @@ class ServiceConfig(_Strict):
     access_log: bool = Field(False, description="Ray Serve access log lines for every request (costs CPU per call).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by context).")
     max_n: int = Field(64, ge=1, description="The largest `n` (choices per call) chat completions and completions "
-                       "accept; each choice is one call to the engines.")
+                       "accept; each choice is one call to the engines (under a rollout id: one rollout of the group the "
+                       "call opens).")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -451,7 +458,8 @@ class RoutingConfig(_Strict):
         "engine (a hash of the group over the serving engines, the same in every replica), so the shared prompt is "
         "prefilled and cached once; a rollout starts elsewhere when the home engine is more than load_margin requests "
         "above the least loaded. Only where rollouts are pinned (policy sticky, or sticky_least_loaded with "
-        "engine.enable_prefix_caching).")
+        "engine.enable_prefix_caching). The members of one call with n > 1 start together under either setting "
+        "(where rollouts are pinned).")
 
 
 class CanaryConfig(_Strict):

@@ -62,7 +62,7 @@ FORK_REASONS = ("role", "content", "reasoning_content", "tool_calls", "tool_call
 ENGINE_STATES = ("starting", "healthy", "suspect", "dead", "replacing", "stale", "retired", "draining")  # fleet.health.EngineState
 REFIT_OUTCOMES = ("ok", "failed", "rejected")
 REFIT_PHASES = ("pause", "transfer", "load", "resume")
-STORE_OPS = ("load", "append", "read", "delete", "mark")
+STORE_OPS = ("load", "append", "read", "delete", "mark", "group")
 REFUSAL_REASONS = ("aborted", "stale")
 
 

@@ -36,6 +36,7 @@ class MemoryRolloutStore:
         self.ttl_seconds = ttl_seconds
         self._clock = clock
         self._data: dict[str, _Entry] = {}
+        self._groups: dict[str, dict[str, str]] = {}  # group id -> member -> state
 
     def _live(self, rollout_id: str) -> _Entry | None:
         entry = self._data.get(rollout_id)
@@ -70,13 +71,16 @@ class MemoryRolloutStore:
             return UNCHANGED
         return self._state(rollout_id, entry)
 
-    async def mark(self, rollout_id: str, status: str, reason: str = "") -> bool | None:
+    async def mark(self, rollout_id: str, status: str, reason: str = "", *, create: bool = False) -> bool | None:
         validate_rollout_id(rollout_id)
         if status not in ROLLOUT_STATUSES:
             raise ValueError(f"status must be one of {ROLLOUT_STATUSES}, got {status!r}")
         entry = self._live(rollout_id)
-        if entry is None:
+        if entry is None and not create:
             return None
+        if entry is None:
+            entry = self._data[rollout_id] = _Entry()
+            entry.expires_at = self._clock() + self.ttl_seconds
         if entry.status == "aborted":
             return False
         entry.status, entry.reason = status, reason or None
@@ -129,6 +133,16 @@ class MemoryRolloutStore:
         validate_rollout_id(rollout_id)
         entry = self._live(rollout_id)
         return None if entry is None else entry.expires_at - self._clock()
+
+    async def set_group_members(self, group_id: str, states: dict[str, str]) -> None:
+        validate_rollout_id(group_id)
+        for rid in states:
+            validate_rollout_id(rid)
+        self._groups.setdefault(group_id, {}).update(states)
+
+    async def group_members(self, group_id: str) -> dict[str, str]:
+        validate_rollout_id(group_id)
+        return dict(self._groups.get(group_id, {}))
 
     async def ping(self) -> bool:
         return True

@@ -225,7 +225,7 @@ def test_a_groups_rollouts_start_together_on_its_home_engine_in_every_replica():
     over; a home that leaves the serving set gives its groups a new common home; spread (the
     default) starts each rollout on the least loaded engine."""
     members = [Member(s, 0, f"e{s}") for s in range(4)]
-    replicas = [FleetClient(FakeFleet(), view(1, *members), policy=StickyLeastLoaded(4), group_placement="together",
+    replicas = [FleetClient(FakeFleet(), view(1, *members), policy=StickyLeastLoaded(4),
                             load_margin=4)
                 for _ in range(2)]
     homes = {}
@@ -249,15 +249,15 @@ def test_a_groups_rollouts_start_together_on_its_home_engine_in_every_replica():
     new_home = {r.route(f"prompt-2-late-{i}", "prompt-2").member.slot for i, r in enumerate(replicas)}
     assert len(new_home) == 1 and homes["prompt-2"] not in new_home
     # the margin holds under policy sticky too (it has none of its own for pins)
-    sticky = FleetClient(FakeFleet(), view(1, *members), policy=Sticky(), group_placement="together", load_margin=2)
+    sticky = FleetClient(FakeFleet(), view(1, *members), policy=Sticky(), load_margin=2)
     home = sticky.route("g9-a", "g9").member
     _loaded(sticky, home, 3)
     assert sticky.route("g9-b", "g9").member.slot != home.slot
-    # spread: the least loaded engine, whatever the group
+    # spread (the turn runner passes no group): the least loaded engine
     spread = FleetClient(FakeFleet(), view(1, *members), policy=StickyLeastLoaded(4))
     firsts = []
     for i in range(4):
-        m = spread.route(f"s-{i}", "same-group").member
+        m = spread.route(f"s-{i}").member
         spread.acquire(m)
         firsts.append(m.slot)
     assert sorted(firsts) == [0, 1, 2, 3]

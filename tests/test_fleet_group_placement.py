@@ -20,7 +20,7 @@ async def test_a_groups_rollouts_start_on_one_engine(fleet_rig, tiny_tokenizer):
     rig = fleet_rig
     cfg = rig.config.model_copy(deep=True)
     cfg.routing.group_placement = "together"
-    client = await connect(rig.fleet, policy=Sticky(), group_placement="together")
+    client = await connect(rig.fleet, policy=Sticky())
     runner = TurnRunner(cfg, client, rig.store, tiny_tokenizer)
     try:
         async def first_turns(prompt: str, n: int, group: str | None = None) -> set[int]:

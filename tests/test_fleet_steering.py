@@ -84,6 +84,46 @@ async def test_the_trainer_aborts_a_running_call_through_its_handle(fleet_rig):
     assert state.turn == 2 and (state.status, state.status_reason) == ("aborted", "early stop")
 
 
+async def test_the_trainer_aborts_a_group_whose_members_are_on_their_first_call(fleet_rig):
+    """A call with n = 4 under a rollout id (its members R/0..R/3, on two engines: with prefix caching
+    off, where they run buys nothing, the policy spreads them), aborted through the trainer's handle while every member generates its first call: each ends at
+    once with finish_reason abort and its tokens so far stored; TrainerClient.group reads them, the
+    members' next calls get 409."""
+    from rollout_service.serve.fanout import group_turns
+    from rollout_service.training import rows_from_group
+
+    rig = fleet_rig
+    rid = new_rid("group-abort")
+    messages = [{"role": "user", "content": f"{rid}: count the stars"}]
+    members = group_turns(turn_request(rid, messages, seed=5, stream=True, max_tokens=900), 4)
+    await rig.runner.note_group(rid, [m.rollout_id for m in members], "running")  # as the n call does first
+    started = {m.rollout_id: asyncio.Event() for m in members}
+    calls = [asyncio.create_task(run_events(rig.runner, m, on_event=lambda e, m=m: started[m.rollout_id].set()
+                                            if e["kind"] == "delta" else None)) for m in members]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
+    t0 = time.monotonic()
+    answer = await asyncio.to_thread(rig.trainer.abort_group, rid, "over-sampled")
+    finals = [e[-1] for e in await asyncio.wait_for(asyncio.gather(*calls), 30)]
+    ended_s = time.monotonic() - t0
+    assert answer["aborted_calls"] == 4 and [m["id"] for m in answer["members"]] == [f"{rid}/{j}" for j in range(4)]
+    assert all(f["kind"] == "final" and f["finish_reason"] == "abort" for f in finals), finals
+    assert ended_s < 1.5, f"the members ended {ended_s:.2f}s after the abort (the handle's round trip included)"
+    group = await asyncio.to_thread(rig.trainer.group, rid)
+    assert group["states"]["aborted"] == 4
+    for member, final in zip(group["members"], finals):
+        assert member["status_reason"] == "over-sampled" and member["turns"] == 1
+        seg = member["trajectory"]["segments"][0]
+        assert seg["token_ids"] == final["prompt_token_ids"] + final["generation_token_ids"]
+        assert 0 < len(final["generation_token_ids"]) < 900
+    assert rows_from_group(group) == []  # none finished
+    refused = (await run_events(rig.runner, turn_request(f"{rid}/2", messages, seed=9, stream=False, max_tokens=4)))[-1]
+    assert refused["__error__"] == 409 and refused["error"]["code"] == "rollout_aborted", refused
+    again = await asyncio.to_thread(rig.trainer.abort_group, rid, "again")
+    assert again["aborted_calls"] == 0 and all(m["already_aborted"] for m in again["members"])
+    assert await asyncio.to_thread(rig.trainer.group, new_rid("never")) is None
+    assert await asyncio.to_thread(rig.trainer.abort_group, new_rid("never")) is None
+
+
 async def test_a_call_past_the_staleness_bound_is_refused_and_nothing_is_stored(fleet_rig, tiny_model_dir, tmp_path):
     rig = fleet_rig
     rid, loose = new_rid("stale"), new_rid("loose")

@@ -5,12 +5,14 @@ choice. The whole path against vLLM's own server is in tests/test_serve_vs_vllm.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
 
-from rollout_service.serve.fanout import MAX_CHOICES, check_n, child_sampling, merge_answers, merged_stream
+from rollout_service.serve.fanout import MAX_CHOICES, check_n, child_sampling, group_turns, merge_answers, merged_stream
 from rollout_service.serve.protocol.openai import ServiceError
+from rollout_service.serve.turn_types import TurnRequest
 
 
 def _frame(obj) -> bytes:
@@ -94,8 +96,85 @@ def test_child_seeds_and_bounds_are_vllms():
         {"seed": 10, "top_p": 0.5}, {"seed": 11, "top_p": 0.5}]
     assert child_sampling({"n": 2, "seed": -1}, 1) == {"seed": -1}  # vLLM's "no seed": every child unseeded
     assert child_sampling({"n": 2}, 1) == {}
-    assert check_n(None, 64, None) == 1 and check_n(64, 64, None) == 64
-    for n, rid, prompts in ((0, None, 1), (65, None, 1), (2, "r", 1), (2, None, MAX_CHOICES)):
+    assert check_n(None, 64) == 1 and check_n(64, 64) == 64
+    for n, prompts in ((0, 1), (65, 1), (2, MAX_CHOICES)):
         with pytest.raises(ServiceError) as info:
-            check_n(n, 64, rid, prompts)
+            check_n(n, 64, prompts)
         assert info.value.status == 400 and info.value.param == "n"
+
+
+def test_n_under_a_rollout_id_opens_a_group_of_rollouts():
+    turn = TurnRequest(messages=[{"role": "user", "content": "hi"}], sampling={"n": 3, "seed": 7}, rollout_id="grpo-1")
+    members = group_turns(turn, 3)
+    assert [m.rollout_id for m in members] == ["grpo-1/0", "grpo-1/1", "grpo-1/2"]
+    assert {m.rollout_group for m in members} == {"grpo-1"} and all(m.group_together for m in members)
+    assert [m.sampling for m in members] == [{"seed": 7}, {"seed": 8}, {"seed": 9}]
+    assert len({m.digest() for m in members}) == 3  # each member's own call (its seed)
+    named = group_turns(dataclasses.replace(turn, rollout_group="step-4"), 2)
+    assert {m.rollout_group for m in named} == {"step-4"}
+    longest = TurnRequest(messages=[], rollout_id="r" * 126)
+    assert group_turns(longest, 10)[-1].rollout_id == "r" * 126 + "/9"
+    with pytest.raises(ServiceError) as info:
+        group_turns(longest, 11)  # r.../10 is 129 characters
+    assert info.value.status == 400 and info.value.param == "X-Rollout-Id"
+
+
+class RecordingFleet:
+    """The fleet client's generation interface: records the group each call is placed by, answers
+    with a few ids (or fails the rollouts named in ``fail``)."""
+
+    def __init__(self, fail=()):
+        self.groups: dict[str, str | None] = {}
+        self.fail = set(fail)
+
+    def members(self):
+        return ()
+
+    async def generate_with_failover(self, rollout_id, request, stream, routed=None, group=None):
+        from rollout_service.engine.types import GenerationChunk
+        from rollout_service.fleet.types import NoEngineAvailable
+
+        self.groups[rollout_id] = group
+        if rollout_id in self.fail:
+            raise NoEngineAvailable("no engine replica is serving (test)")
+        yield GenerationChunk(token_ids=[9707, 11], logprobs=[-0.5, -0.25], finish_reason="length",
+                              weight_versions=[("0", 0, 2)])
+
+
+def test_a_groups_members_start_together_and_each_call_is_recorded(tiny_model_dir, tiny_tokenizer):
+    """Under routing.group_placement spread (the default), the members of a call with n > 1 are still
+    placed as one group; a call that only names X-Rollout-Group is not, but is recorded in it. Each
+    member's record goes running -> finished, or failed when its call ends without a turn."""
+    from memory_store import MemoryRolloutStore
+    from rollout_service.config import RolloutServiceConfig
+    from rollout_service.onpolicy.groups import parse_call_entry
+    from rollout_service.serve.turns import TurnRunner
+
+    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(tiny_model_dir)}})
+    fleet, store = RecordingFleet(fail={"g/2"}), MemoryRolloutStore()
+    runner = TurnRunner(cfg, fleet, store, tiny_tokenizer)
+    base = TurnRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=2, rollout_id="g", sampling={"seed": 1})
+    members = group_turns(base, 3)
+    named = dataclasses.replace(base, rollout_id="solo", rollout_group="g")
+
+    async def run(req):
+        try:
+            return [e async for e in runner.run_turn(req)][-1]
+        except ServiceError as exc:
+            return exc
+
+    async def main():
+        await runner.note_group("g", [m.rollout_id for m in members], "running")  # as the n call does
+        assert {k: parse_call_entry(v)[0] for k, v in (await store.group_members("g")).items()} == dict.fromkeys(
+            ["g/0", "g/1", "g/2"], "running")
+        return await asyncio.gather(*(run(r) for r in [*members, named]))
+
+    results = asyncio.run(main())
+    assert isinstance(results[2], ServiceError) and results[2].status == 503
+    assert fleet.groups == {"g/0": "g", "g/1": "g", "g/2": "g", "solo": None}
+    records = asyncio.run(store.group_members("g"))
+    assert {k: parse_call_entry(v)[0] for k, v in records.items()} == {
+        "g/0": "finished", "g/1": "finished", "g/2": "failed", "solo": "finished"}
+    doc = asyncio.run(runner.get_group("g"))
+    assert [(m["id"], m["state"], m["turns"]) for m in doc["members"]] == [
+        ("g/0", "finished", 1), ("g/1", "finished", 1), ("g/2", "failed", 0), ("solo", "finished", 1)]

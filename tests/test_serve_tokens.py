@@ -116,7 +116,7 @@ def test_a_streamed_turn_streams_vllms_chunks_with_the_stored_ids(http):
     ({"token_ids": [1], "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature"),
     ({"token_ids": [1], "sampling_params": {"top_p": "x"}}, 400, "sampling_params"),
     ({"token_ids": [1], "sampling_params": {"bogus": 1}}, 400, "sampling_params.bogus"),
-    ({"token_ids": [1], "sampling_params": {"n": 2}}, 400, "sampling_params.n"),
+    ({"token_ids": [1], "sampling_params": {"n": 65}}, 400, "sampling_params.n"),
     ({"token_ids": [1], "sampling_params": {"logprobs": -1}}, 400, "sampling_params.logprobs"),
     ({"token_ids": [1], "sampling_params": {"min_tokens": 2}}, 400, "sampling_params.min_tokens"),
     ({"token_ids": [1], "sampling_params": {}, "output_mode": "text"}, 400, "output_mode"),

@@ -2,9 +2,7 @@
 answered by vLLM 0.32's own OpenAI server (the tiny model, the service's engine settings, the
 service's reasoning and tool parsers) and by the service, on the same seeds: the same status, error
 ``param``, and every field vLLM returns (texts and ids exactly). Each case runs on the service
-without a rollout id and with one; a case marked ``refused`` is one the service answers as vLLM
-does without a rollout id and refuses (400, naming the field) under one, because it would make the
-recorded rollout non-monotonic (docs/data-plane.md, "vLLM compatibility").
+without a rollout id and with one (``n > 1`` under one opens a group of rollouts, answered the same).
 
 The two servers never generate at once: vLLM's answers first (then its server stops), then the
 service's."""
@@ -18,6 +16,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from serve_helpers import MODEL, WEATHER_TOOL
@@ -45,7 +44,7 @@ def _probe_stop(text_per_token: list[str]) -> str:
 def table(completion_stop: str, chat_stop: str) -> list[Case]:
     cmpl = {"prompt": PROMPT, "max_tokens": 8, "seed": 11, "temperature": 1.0}
     chat = {"messages": MESSAGES, "max_tokens": 8, "seed": 12, "temperature": 1.0, **NO_THINK}
-    C, H = "/v1/completions", "/v1/chat/completions"
+    C, H, T = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"
     cases = [
         Case("completion", C, cmpl),
         Case("completion_return_token_ids", C, {**cmpl, "return_token_ids": True}),
@@ -74,10 +73,9 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("completion_prompts_stream", C, {**cmpl, "prompt": [[785, 6722, 315], [9707, 11]], "stream": True,
                                               "stream_options": {"include_usage": True}}),
         Case("chat", H, chat),
-        # n > 1 under a rollout id would be a group of rollouts (one per sample): refused until groups are built
-        Case("chat_n", H, {**chat, "n": 3, "logprobs": True}, expect="refused", refused_param="n"),
-        Case("chat_n_stream", H, {**chat, "n": 2, "stream": True, "stream_options": {"include_usage": True}},
-             expect="refused", refused_param="n"),
+        # under a rollout id: a group of rollouts (R/0, R/1, ...), answered as vLLM answers n
+        Case("chat_n", H, {**chat, "n": 3, "logprobs": True}),
+        Case("chat_n_stream", H, {**chat, "n": 2, "stream": True, "stream_options": {"include_usage": True}}),
         Case("chat_prompt_logprobs", H, {**chat, "prompt_logprobs": 1}),
         Case("chat_thinking", H, {**chat, "chat_template_kwargs": {"enable_thinking": True}, "max_tokens": 12}),
         Case("chat_thinking_stream", H, {**chat, "chat_template_kwargs": {"enable_thinking": True}, "max_tokens": 12,
@@ -86,6 +84,7 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
                                           "include_reasoning": False, "logprobs": True, "max_tokens": 12}),
         Case("chat_logprobs", H, {**chat, "logprobs": True, "top_logprobs": 2}),
         Case("chat_stream_usage", H, {**chat, "stream": True, "stream_options": {"include_usage": True}}),
+        Case("chat_stream_logprobs", H, {**chat, "stream": True, "logprobs": True, "top_logprobs": 2}),
         Case("chat_stream_options_without_stream", H, {**chat, "stream_options": {"include_usage": True}}),
         Case("chat_stop", H, {**chat, "temperature": 0.0, "max_tokens": 12, "stop": [chat_stop]}),
         Case("chat_stop_included", H, {**chat, "temperature": 0.0, "max_tokens": 12, "stop": [chat_stop],
@@ -101,6 +100,13 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
                                     "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
              expect="forced_call"),
         Case("chat_tool_required_cut", H, {**chat, "max_tokens": 6, "tools": [STRICT_TOOL], "tool_choice": "required"}),
+        # the token route's n (under a rollout id: a group, as chat's). Without logprobs: the route's
+        # logprob entries differ from vLLM's in rank and token (test_the_token_route_answers_as_vllms_own
+        # compares their ids and values)
+        Case("tokens_n", T, {"token_ids": [785, 6722, 315, 9625, 374], "return_token_ids": True, "sampling_params": {
+            "n": 3, "seed": 5, "max_tokens": 8, "temperature": 1.0}}),
+        Case("tokens_n_stream", T, {"token_ids": [785, 6722, 315], "stream": True, "stream_options": {
+            "include_usage": True}, "sampling_params": {"n": 2, "seed": 6, "max_tokens": 6, "ignore_eos": True}}),
     ]
     return cases
 
@@ -151,11 +157,15 @@ def test_the_service_answers_as_vllms_own_server(service, vllm_side, name, under
     case = cases[name]
     if under_rollout:
         case = Case(case.name, case.path, case.body, {**case.headers, "X-Rollout-Id": f"contract-{uuid.uuid4().hex[:12]}"},
-                    case.expect, case.refused_param)
+                    case.expect)
     ours = send(service.url, MODEL, case)
-    if under_rollout and case.expect == "refused":
-        assert ours.status == 400 and ours.error["param"] == case.refused_param, ours.body
-        return
+    n = case.body.get("n") or case.body.get("sampling_params", {}).get("n", 1)
+    if under_rollout and n > 1 and ours.status == 200 and case.path != "/v1/completions":  # each choice its own rollout
+        rid = case.headers["X-Rollout-Id"]
+        if not case.body.get("stream") and case.path != "/inference/v1/generate":
+            assert [c["message"]["rollout"]["id"] for c in ours.body["choices"]] == [f"{rid}/{j}" for j in range(n)]
+        group = httpx.get(f"{service.url}/v1/groups/{rid}").json()
+        assert [m["id"] for m in group["members"]] == [f"{rid}/{j}" for j in range(n)], group
     if case.expect == "forced_call":
         named = isinstance(case.body["tool_choice"], dict)
         assert answers[name].status == ours.status == 200, ours.body

@@ -147,7 +147,8 @@ async def test_concurrent_first_turns_create_the_rollout_once(store):
 
 
 @pytest.mark.parametrize(
-    "bad_id", ["", "x" * 129, "a{b}", "a}b", "has space", "star*", "q?", "br[a]ck", "sl/ash", "é", "a\nb", 42, None]
+    "bad_id", ["", "x" * 129, "a{b}", "a}b", "has space", "star*", "q?", "br[a]ck", "/lead", "trail/", "dou//ble", "a/..", "..", "a/./b", "é",
+               "a\nb", "a/\n", 42, None]
 )
 async def test_invalid_rollout_ids_are_rejected_by_every_method(store, bad_id):
     d = synthetic_delta(random.Random(0), turn=1, segment_index=0, new_segment=True, segment_len=0)
@@ -165,10 +166,10 @@ async def test_invalid_rollout_ids_are_rejected_by_every_method(store, bad_id):
 
 
 async def test_valid_rollout_id_charset(store):
-    rid = "Ab0_-.:" + "z" * 121
-    deltas, expected = synthetic_rollout(random.Random(6), [1])
-    await commit_all(store, rid, deltas)
-    assert await store.load(rid) == named(expected, rid)
+    for rid in ("Ab0_-.:" + "z" * 121, "grp/7", "a/b/c:1"):  # a slash between two parts: group members R/j
+        deltas, expected = synthetic_rollout(random.Random(6), [1])
+        await commit_all(store, rid, deltas)
+        assert await store.load(rid) == named(expected, rid)
 
 
 def _bad_deltas():
@@ -350,3 +351,35 @@ async def test_a_stale_mark_is_a_status_not_a_lock(store):
                            segment_len=len(state.segments[0].token_ids))
     await store.append_turn("r", more, expected_turn=1)  # a turn under a looser bound may still run
     assert await store.mark("r", "aborted", "done") is True
+
+
+async def test_a_group_records_its_members_and_their_last_call(store):
+    assert await store.group_members("g") == {}
+    await store.set_group_members("g", {"g/0": "running", "g/1": "running"})
+    await store.set_group_members("g", {"g/1": "finished"})
+    await store.set_group_members("other", {"x": "failed"})
+    assert await store.group_members("g") == {"g/0": "running", "g/1": "finished"}
+    assert await store.group_members("other") == {"x": "failed"}
+    with pytest.raises(InvalidRolloutId):
+        await store.set_group_members("g", {"bad id": "running"})
+    with pytest.raises(InvalidRolloutId):
+        await store.group_members("bad/")
+
+
+async def test_aborting_a_rollout_before_its_first_turn_creates_it_aborted(store):
+    """A group member still on its first call: ``mark(create=True)`` makes a rollout with no turn and
+    the status; that call's abort answer still lands, nothing else does."""
+    from rollout_service.store.base import RolloutAborted
+
+    assert await store.mark("m/0", "aborted", "group dropped", create=True) is True
+    state = await store.load("m/0")
+    assert (state.turn, state.segments, state.status, state.status_reason) == (0, [], "aborted", "group dropped")
+    assert await store.mark("m/0", "aborted", "again", create=True) is False  # idempotent
+    first = synthetic_delta(random.Random(4), turn=1, segment_index=0, new_segment=True, segment_len=0)
+    with pytest.raises(RolloutAborted):
+        await store.append_turn("m/0", first, expected_turn=0)
+    first.record.finish_reason = "abort"
+    await store.append_turn("m/0", first, expected_turn=0)
+    state = await store.load("m/0")
+    assert state.turn == 1 and state.status == "aborted"
+    assert await store.ttl("m/0") is not None

@@ -57,6 +57,7 @@ async def test_append_cost_does_not_grow_with_history(store):
 
         calls0, in0, aof0 = snap(await c.info("commandstats"), await c.info("all"))
         await store.append_turn("long", same_size_delta(turn, seg_len), expected_turn=turn - 1)
+        await store.recent.settled()  # its index entry, written after the acknowledgement: in the measure too
         calls1, in1, aof1 = snap(await c.info("commandstats"), await c.info("all"))
         delta_calls = {k: calls1[k] - calls0.get(k, 0) for k in calls1 if calls1[k] != calls0.get(k, 0)}
         return delta_calls, in1 - in0, aof1 - aof0
@@ -386,3 +387,27 @@ async def test_the_recent_index_pages_newest_first_without_repeats_and_stays_bou
             await s.list_recent(5, "not-a-cursor")
     finally:
         await s.close()
+
+
+async def test_more_concurrent_calls_than_pooled_connections_wait_for_one_and_all_succeed(redis_server):
+    """store.max_connections bounds a client's connections; a call that finds them all busy waits for a
+    free one (redis-py's BlockingConnectionPool, at most the command deadline) instead of failing with
+    "Too many connections" (its default ConnectionPool: 100)."""
+    from rollout_service.config import StoreConfig
+
+    config = StoreConfig(redis_url=redis_server, key_prefix=f"t{uuid.uuid4().hex[:8]}", max_connections=3)
+    store = RedisRolloutStore.from_config(config)
+    try:
+        deltas = {f"r{i}": synthetic_rollout(random.Random(i), [2])[0] for i in range(64)}
+        await asyncio.gather(*(commit_all(store, rid, d) for rid, d in deltas.items()))
+        loaded = await asyncio.gather(*(store.load(rid) for rid in deltas))
+        assert all(s is not None and s.turn == 2 for s in loaded)
+        assert store.client.connection_pool.max_connections == 3
+    finally:
+        await store.close()
+    plain = aioredis.Redis.from_url(redis_server, max_connections=3)  # what the store used before: refused
+    try:
+        with pytest.raises(aioredis.ConnectionError, match="Too many connections"):
+            await asyncio.gather(*(plain.execute_command("DEBUG", "SLEEP", "0.05") for _ in range(8)))
+    finally:
+        await plain.aclose()

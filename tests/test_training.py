@@ -82,6 +82,38 @@ def test_an_inconsistent_trajectory_is_refused(breakage, message):
         rows_from_trajectory(traj)
 
 
+def test_a_groups_document_and_the_rows_of_its_finished_members():
+    from rollout_service.onpolicy.groups import call_entry, group_document
+    from rollout_service.training import rows_from_group
+
+    states = {}
+    for j, seed in ((0, 1), (1, 2), (2, 3), (10, 4)):
+        _, state = synthetic_rollout(random.Random(seed), [1], weight_version=f"v{j}")
+        state.rollout_id = f"g/{j}"
+        states[f"g/{j}"] = state
+    states["g/2"].status, states["g/2"].status_reason = "aborted", "dynamic sampling"
+    states["g/3"] = None  # its first call failed: nothing stored
+    calls = {"g/10": "finished", "g/2": "finished", "g/1": "running", "g/0": "finished", "g/3": "failed"}
+    doc = group_document("g", calls, states, trajectories=True)
+    assert [m["id"] for m in doc["members"]] == ["g/0", "g/1", "g/2", "g/3", "g/10"]  # numeric member order
+    assert [m["state"] for m in doc["members"]] == ["finished", "running", "aborted", "failed", "finished"]
+    assert doc["members"][2]["status_reason"] == "dynamic sampling"
+    assert doc["members"][0]["first_weight_version"] == doc["members"][0]["last_weight_version"] == "v0"
+    assert doc["members"][3] == {"id": "g/3", "state": "failed", "turns": 0, "first_weight_version": None,
+                                 "last_weight_version": None, "call_recorded_at": None, "trajectory": None}
+    stamped = group_document("g", {"g/0": call_entry("running", now_s=12.5)}, {"g/0": None})
+    assert stamped["members"][0]["state"] == "running" and stamped["members"][0]["call_recorded_at"] == 12.5
+    assert doc["size"] == 5 and doc["states"]["finished"] == 2 and doc["states"]["missing"] == 0
+    rows = rows_from_group(doc)
+    assert [r.rollout_id for r in rows] == ["g/0", "g/10"]
+    assert rows[0].input_ids == rows_from_trajectory(trajectory_export(states["g/0"]))[0].input_ids
+    # finished, then expired: missing, no rows; a group read without trajectories cannot give rows
+    gone = group_document("g", {"g/0": "finished"}, {"g/0": None})
+    assert gone["members"][0]["state"] == "missing" and rows_from_group(gone) == []
+    with pytest.raises(ValueError, match="trajectories=true"):
+        rows_from_group(group_document("g", calls, states))
+
+
 def test_collate_pads_right_and_puts_each_rows_advantage_on_its_trained_tokens():
     rows = rows_from_trajectory(_trajectory((1, 2), seed=3))
     batch = collate(rows, pad_id=0, advantages=[0.5, -1.0])

@@ -1,5 +1,6 @@
 """examples/grpo/train.py end to end on the real service (the tiny model), a few short steps: the
-agents' multi-turn rollouts over HTTP, the trainer actor's recomputed logprobs on the service's ids,
+agents' multi-turn rollouts over HTTP (each group's first turn one call with n = G, its members read
+back as the group), the trainer actor's recomputed logprobs on the service's ids,
 one clipped-ratio step (with the TIS correction) and a refit per step while the next step's rollouts run. Checked: the ratio
 on tokens of the trainer's own version is 1 up to float32 noise (the service's processed logprobs
 under the same top-k), in every step; later steps train on tokens of the previous version (the

@@ -13,7 +13,9 @@ are *frequent* tokens of the Qwen BPE (ids below ``--frequent-ids``, 20,000 by d
 earliest merges, short common words and pieces), in [0, 1]. A random-weight model samples them at
 about their share of the vocabulary (~13 %); the task is to say more of them.
 
-Per step: G rollouts for each of P prompts (GRPO groups), the trajectory of each read back from the
+Per step: G rollouts for each of P prompts (GRPO groups: each group's first turn is one call with
+``n = G`` under the group's rollout id, its members' second turns their own calls; ``--separate-calls``
+starts each rollout with a call of its own instead), the trajectory of each read back from the
 service (exact ids, the behaviour logprob and weight version of every token), group-relative
 advantages, one clipped-ratio optimizer step against the service's processed logprobs, then a refit
 through ``TrainerClient`` — while the next step's rollouts are already running (asynchronous RL,
@@ -256,14 +258,48 @@ async def rollout(client: httpx.AsyncClient, prompt: str, args, rng: random.Rand
     return r.json()
 
 
+async def one_group(client: httpx.AsyncClient, prompt: str, args, rng: random.Random) -> list[dict]:
+    """One GRPO group as the service forms it: the first turn of all G rollouts in one call (``n = G``
+    under the group's rollout id R: rollouts R/0 .. R/{G-1}, one prompt), then each member's second
+    turn on its own; the members' trajectories read back as the group (``GET /v1/groups/R``)."""
+    rid = f"grpo-{uuid.uuid4().hex[:12]}"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+    sampling = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                **({"top_k": args.top_k} if args.top_k > 0 else {})}
+    r = await client.post("/v1/chat/completions", headers={"X-Rollout-Id": rid},
+                          json={**sampling, "messages": messages, "n": args.group_size, "seed": rng.randrange(2**31)})
+    if r.status_code != 200:
+        raise RuntimeError(f"{rid} turn 1 (n={args.group_size}): {r.status_code} {r.text[:300]}")
+
+    async def second_turn(choice: dict) -> None:
+        message = choice["message"]
+        answer = message["content"] or ""
+        history = messages + [{"role": "assistant", "content": answer},
+                              {"role": "user", "content": f"[tool: word_count] {len(answer.split())} words. Continue."}]
+        member = message["rollout"]["id"]
+        r = await client.post("/v1/chat/completions", headers={"X-Rollout-Id": member},
+                              json={**sampling, "messages": history, "seed": rng.randrange(2**31)})
+        if r.status_code != 200:
+            raise RuntimeError(f"{member} turn 2: {r.status_code} {r.text[:300]}")
+
+    await asyncio.gather(*[second_turn(c) for c in r.json()["choices"]])
+    r = await client.get(f"/v1/groups/{rid}", params={"trajectories": "true"})
+    r.raise_for_status()
+    return [m["trajectory"] for m in r.json()["members"]]
+
+
 async def collect(base_url: str, step: int, args) -> tuple[list[dict], list[float], list[float]]:
     """P groups of G rollouts; returns trajectories, their rewards, their group-relative advantages."""
     rng = random.Random(args.seed * 1000 + step)
     prompts = [f"Task {step}.{p}: describe a {rng.choice(['river', 'city', 'tool', 'song'])}." for p in range(args.prompts)]
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
-        groups = await asyncio.gather(*[
-            asyncio.gather(*[rollout(client, prompt, args, random.Random(rng.random())) for _ in range(args.group_size)])
-            for prompt in prompts])
+        if getattr(args, "baseline", None) == "naive" or getattr(args, "separate_calls", False):
+            groups = await asyncio.gather(*[
+                asyncio.gather(*[rollout(client, prompt, args, random.Random(rng.random())) for _ in range(args.group_size)])
+                for prompt in prompts])
+        else:
+            groups = await asyncio.gather(*[one_group(client, prompt, args, random.Random(rng.random()))
+                                            for prompt in prompts])
     trajectories, rewards, advantages = [], [], []
     for group in groups:
         r = [reward_of(t, args.frequent_ids) for t in group]
@@ -351,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny-qwen3", help="the served model name")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--separate-calls", action="store_true", help="start each rollout of a group with its own call "
+                   "(as before groups: G prefills of the prompt) instead of one call with n = G")
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--frequent-ids", type=int, default=20_000)
     p.add_argument("--top-k", type=int, default=64, help="the agents' sampling top_k (the trainer applies the same "

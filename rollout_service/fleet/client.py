@@ -42,9 +42,8 @@ class FleetClient:
     def __init__(self, fleet, view: FleetView | None = None, policy: RoutingPolicy | None = None,
                  max_pins: int = 100_000, poll_s: float = 2.0, resolve: Any = None,
                  call_deadline_s: float | None = None, call_deadline_s_per_token: float = 0.0,
-                 nonstream_progress_s: float = 0.0, group_placement: str = "spread", load_margin: int = 16):
+                 nonstream_progress_s: float = 0.0, load_margin: int = 16):
         self.fleet = fleet
-        self.group_placement = group_placement  # routing.group_placement: spread | together
         self.load_margin = load_margin  # routing.load_margin: how far above the least loaded a group's home may be
         # A generation's deadline: call_deadline_s + call_deadline_s_per_token x max_tokens (None: none).
         self.call_deadline_s, self.call_deadline_s_per_token = call_deadline_s, call_deadline_s_per_token
@@ -147,8 +146,9 @@ class FleetClient:
     def route(self, rollout_id: str | None, group: str | None = None) -> Route:
         """The policy's choice for the rollout's next call (:mod:`rollout_service.fleet.routing`):
         given its pinned engine if that still serves; the choice is pinned (policies that pin). A
-        rollout of ``group`` not pinned yet starts on the group's home engine under
-        ``group_placement: together`` (within the policy's load margin)."""
+        rollout of ``group`` not pinned yet starts on the group's home engine (within the policy's load
+        margin): the caller passes a group only where its rollouts belong together (the turn runner:
+        ``routing.group_placement: together``, or the members of one call with ``n > 1``)."""
         members = self.members()
         if not members:
             raise NoEngineAvailable("no engine replica is serving (the fleet is replacing it)")
@@ -156,7 +156,7 @@ class FleetClient:
         if rollout_id is not None and self.policy.pins:
             key = self.pins.get(rollout_id)
             pinned = next((m for m in members if m.key == key), None) if key is not None else None
-            if pinned is None and group is not None and self.group_placement == "together":
+            if pinned is None and group is not None:
                 home = group_home(members, group)
                 best = least_loaded(members, self.outstanding)
                 if load_of(home, self.outstanding) <= load_of(best, self.outstanding) + self.load_margin:

@@ -58,7 +58,7 @@ from rollout_service.weights.collective import (
 from rollout_service.refit.awaiting import aget, mark_retrieved, on_callers_device, run_sync, settle
 from rollout_service.refit.deadlines import trainer_wait_s
 from rollout_service.refit.nccl_trainer import NcclTrainer
-from rollout_service.refit.rollout_reads import read_trajectory
+from rollout_service.refit.rollout_reads import read_group, read_trajectory
 from rollout_service.refit.transports import CheckpointPathTransfer, CollectiveTransfer, ObjectStoreTransfer
 from rollout_service.refit.types import MEMBERSHIP_CHANGED, RefitFailed, RefitInProgress, WeightSyncNotInitialized
 
@@ -395,6 +395,32 @@ class TrainerClient(NcclTrainer):
         if reason is not None and (not isinstance(reason, str) or len(reason) > 512):
             raise ValueError("reason must be a string of at most 512 characters (as POST /v1/rollouts/{id}/abort takes)")
         return await aget((await self._acontroller()).abort_rollout.remote(rollout_id, reason), 60)
+
+    def group(self, group_id: str) -> dict[str, Any] | None:
+        """:meth:`agroup`, run to completion."""
+        return run_sync(self.agroup(group_id))
+
+    async def agroup(self, group_id: str) -> dict[str, Any] | None:
+        """A group of rollouts (``GET /v1/groups/{id}?trajectories=true``): every member's state
+        (running, finished, failed, aborted, stale, missing), turns, first and last weight version and
+        trajectory; None if no call named the group. ``rollout_service.training.rows_from_group``
+        turns it into the rows of its finished members. Read from the rollout store directly."""
+        config = await aget((await self._acontroller()).store_config.remote(), 60)
+        return await read_group(config, group_id)
+
+    def abort_group(self, group_id: str, reason: str | None = None) -> dict[str, Any] | None:
+        """:meth:`aabort_group`, run to completion."""
+        return run_sync(self.aabort_group(group_id, reason))
+
+    async def aabort_group(self, group_id: str, reason: str | None = None) -> dict[str, Any] | None:
+        """Abort every member of a group, as ``POST /v1/groups/{id}/abort`` does (each as
+        :meth:`aabort`, a member still on its first call included); None if no call named the group."""
+        from rollout_service.store.base import validate_rollout_id
+
+        validate_rollout_id(group_id)
+        if reason is not None and (not isinstance(reason, str) or len(reason) > 512):
+            raise ValueError("reason must be a string of at most 512 characters (as POST /v1/groups/{id}/abort takes)")
+        return await aget((await self._acontroller()).abort_group.remote(group_id, reason), 60)
 
     def weights_checksums(self) -> list[str]:
         """:meth:`aweights_checksums`, run to completion."""

@@ -52,7 +52,7 @@ from rollout_service.serve.protocol.openai import (
 )
 from rollout_service.serve.dialects import chat, completions, responses, tokens
 from rollout_service.serve.dialects.common import RolloutHeaders, RolloutIdPath, rollout_headers, valid_rollout_id
-from rollout_service.serve.fanout import check_n, child_sampling, merge_answers, merged_stream
+from rollout_service.serve.fanout import check_n, child_sampling, group_turns, merge_answers, merged_stream
 from rollout_service.serve.forwarding import ForwardingReplica
 from rollout_service.serve.http import (
     ROLLOUT_ERRORS,
@@ -167,7 +167,7 @@ class RolloutService(ForwardingReplica):
                                        call_deadline_s=self.config.fleet.call_deadline_s,
                                        call_deadline_s_per_token=self.config.fleet.call_deadline_s_per_token,
                                        nonstream_progress_s=self.config.fleet.nonstream_progress_s,
-                                       group_placement=routing.group_placement, load_margin=routing.load_margin)
+                                       load_margin=routing.load_margin)
                 client.on_fleet_restart.append(lambda: self._reattach(client))
                 canary = None
                 if self.config.canary.sample_fraction > 0:
@@ -252,12 +252,30 @@ class RolloutService(ForwardingReplica):
             raise failed
         answers = [t.result() for t in tasks]
         if stream:
-            include_usage = bool((getattr(req, "stream_options", None) or {}).get("include_usage"))
+            options = getattr(req, "stream_options", None) or {}
+            include_usage = bool(options.get("include_usage") if isinstance(options, dict)
+                                 else getattr(options, "include_usage", False))
             return StreamingResponse(merged_stream([a.body_iterator for a in answers], prompt_of, include_usage),
                                      media_type="text/event-stream", headers={"x-rollout-replica": self.replica_id})
         merged = merge_answers([json.loads(a.body) for a in answers], prompt_of)
         return Response(json.dumps(merged, separators=(",", ":"), ensure_ascii=False), media_type="application/json",
                         headers={"x-rollout-replica": self.replica_id})
+
+    async def _answer_group(self, turn, n: int, request: Request, dialect, body):
+        """``n > 1`` choices of one prompt: vLLM's child calls; under a rollout id ``R`` each the first
+        call of its own rollout ``R/j``, all of one group (serve/fanout.py)."""
+        if turn.rollout_id is None:
+            turns = [dataclasses.replace(turn, sampling=child_sampling(turn.sampling, j)) for j in range(n)]
+            return await self._answer_many([self._events(t, request) for t in turns], dialect, body, turn.stream,
+                                           [0] * n)
+        turns = group_turns(turn, n)
+        # every member on the group's record before any runs: an abort of the group right after
+        # this call started reaches them all (each aborted before its first turn if need be)
+        await (await self._runner_or_503()).note_group(turns[0].rollout_group, [t.rollout_id for t in turns], "running")
+        # The members' first calls run here, not on their owners: nothing of theirs is cached anywhere
+        # yet, the store decides (conditional appends), and one hop per member would only add latency
+        # (their later calls reach their owners as any call does).
+        return await self._answer_many([self._local_events(t) for t in turns], dialect, body, turn.stream, [0] * n)
 
     # ------------------------------------------------------------------ routes
     @fastapi_app.post("/v1/chat/completions", responses=TURN_ERRORS, dependencies=KEYED)
@@ -265,11 +283,9 @@ class RolloutService(ForwardingReplica):
                                headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
         turn = chat.turn_request(body, headers)
-        n = check_n(body.n, self.config.service.max_n, turn.rollout_id)
+        n = check_n(body.n, self.config.service.max_n)
         if n > 1:
-            calls = [self._events(dataclasses.replace(turn, sampling=child_sampling(turn.sampling, j)), request)
-                     for j in range(n)]
-            return await self._answer_many(calls, chat, body, body.stream, [0] * n)
+            return await self._answer_group(turn, n, request, chat, body)
         return await self._answer(self._events(turn, request), chat, body, body.stream)
 
     @fastapi_app.post("/v1/responses", responses=TURN_ERRORS, dependencies=KEYED)
@@ -285,7 +301,7 @@ class RolloutService(ForwardingReplica):
         runner = await self._runner_or_503()
         call = completions.call(body)
         prompts = body.prompts()
-        n = check_n(body.n, self.config.service.max_n, None, len(prompts))
+        n = check_n(body.n, self.config.service.max_n, len(prompts))
         if n == 1 and len(prompts) == 1:
             return await self._answer(runner.run_completion(call), completions, body, body.stream)
         calls = [runner.run_completion(dataclasses.replace(call, prompt=prompt, sampling=child_sampling(call.sampling, j)))
@@ -299,6 +315,9 @@ class RolloutService(ForwardingReplica):
         """vLLM's token-in-token-out route (docs/data-plane.md "Token in, token out")."""
         turn, body = tokens.turn_request(await tokens.json_body(request), headers, request.headers.get("x-request-id"))
         self._check_model(body.model)
+        n = check_n(body.sampling_params.n, self.config.service.max_n, param="sampling_params.n")
+        if n > 1:
+            return await self._answer_group(turn, n, request, tokens, body)
         return await self._answer(self._events(turn, request), tokens, body, turn.stream)
 
     @fastapi_app.post("/tokenize", responses=errors_doc(400, 401, 404, 409, 413, 503), dependencies=KEYED)
@@ -314,26 +333,49 @@ class RolloutService(ForwardingReplica):
                   "required_prefix_token_ids": body.required_prefix_token_ids}
         return JSONResponse(await self._read("tokenize", kwargs))
 
-    @fastapi_app.get("/v1/rollouts", responses=errors_doc(400, 401, 503), dependencies=KEYED)
-    async def list_rollouts(self, limit: int = 100, cursor: str | None = None):
-        """The most recently appended-to rollouts, newest first, a page at a time (``next_cursor``)."""
+    @fastapi_app.get("/v1/rollouts", responses=errors_doc(400, 401, 404, 503), dependencies=KEYED)
+    async def list_rollouts(self, limit: int = 100, cursor: str | None = None, group: str | None = None):
+        """The most recently appended-to rollouts, newest first, a page at a time (``next_cursor``);
+        with ``group``: that group's members (``GET /v1/groups/{id}``'s, one page)."""
+        if group is not None:
+            doc = await self._read("get_group", {"group_id": group, "param": "group"})
+            return JSONResponse({"object": "list", "data": doc["members"], "next_cursor": None, "has_more": False,
+                                 "group": group})
         return JSONResponse(await self._read("list_rollouts", {"limit": limit, "cursor": cursor}))
 
-    @fastapi_app.get("/rollouts", response_class=HTMLResponse, responses=errors_doc(400, 401, 503), dependencies=KEYED)
-    async def rollouts_index(self, limit: int = 50, cursor: str | None = None):
-        """The recent rollouts as a page for people, each linking to its viewer page."""
+    @fastapi_app.post("/v1/groups/{group_id:path}/abort", responses=ROLLOUT_ERRORS, dependencies=KEYED)
+    async def abort_group(self, group_id: RolloutIdPath, body: AbortRequest | None = None):
+        """Abort every member of a group, each as ``POST /v1/rollouts/{id}/abort`` does (a member still
+        on its first call included). Idempotent; 404 for an unknown group."""
+        kwargs = {"group_id": group_id, "reason": body.reason if body is not None else None}
+        return JSONResponse(await self._read("abort_group", kwargs))
+
+    @fastapi_app.get("/v1/groups/{group_id:path}", responses=ROLLOUT_ERRORS, dependencies=KEYED)
+    async def get_group(self, group_id: RolloutIdPath, trajectories: bool = False):
+        """A group of rollouts (a call with ``n > 1`` under a rollout id, or X-Rollout-Group): each
+        member's state (running, finished, failed, aborted, stale, missing), turns, first and last
+        weight version; with ``trajectories=true`` each member's trajectory too."""
+        return JSONResponse(await self._read("get_group", {"group_id": group_id, "trajectories": trajectories}))
+
+    @fastapi_app.get("/rollouts", response_class=HTMLResponse, responses=errors_doc(400, 401, 404, 503), dependencies=KEYED)
+    async def rollouts_index(self, limit: int = 50, cursor: str | None = None, group: str | None = None):
+        """The recent rollouts as a page for people, each linking to its viewer page; with ``group``:
+        that group's members."""
+        if group is not None:
+            return HTMLResponse(await self._read("group_page", {"group_id": group, "param": "group"}),
+                                headers=VIEWER_HEADERS)
         return HTMLResponse(await self._read("rollouts_page", {"limit": limit, "cursor": cursor}),
                             headers=VIEWER_HEADERS)
 
-    @fastapi_app.get("/v1/rollouts/{rollout_id}", responses=ROLLOUT_ERRORS, dependencies=KEYED)
+    @fastapi_app.get("/v1/rollouts/{rollout_id:path}", responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def get_rollout(self, rollout_id: RolloutIdPath):
         return JSONResponse(await self._read("get_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))
 
-    @fastapi_app.delete("/v1/rollouts/{rollout_id}", responses=ROLLOUT_ERRORS, dependencies=KEYED)
+    @fastapi_app.delete("/v1/rollouts/{rollout_id:path}", responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def delete_rollout(self, rollout_id: RolloutIdPath):
         return JSONResponse(await self._read("delete_rollout", {"rollout_id": _path_rollout_id(rollout_id)}))
 
-    @fastapi_app.post("/v1/rollouts/{rollout_id}/abort", responses=ROLLOUT_ERRORS, dependencies=KEYED)
+    @fastapi_app.post("/v1/rollouts/{rollout_id:path}/abort", responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def abort_rollout(self, rollout_id: RolloutIdPath, body: AbortRequest | None = None):
         """Abort a rollout: its call in flight ends at its engine's next step (``finish_reason`` abort,
         its tokens so far stored), further calls get 409 ``rollout_aborted``, stored turns stay
@@ -341,7 +383,7 @@ class RolloutService(ForwardingReplica):
         kwargs = {"rollout_id": _path_rollout_id(rollout_id), "reason": body.reason if body is not None else None}
         return JSONResponse(await self._read("abort_rollout", kwargs))
 
-    @fastapi_app.get("/rollouts/{rollout_id}/view", response_class=HTMLResponse, responses=ROLLOUT_ERRORS, dependencies=KEYED)
+    @fastapi_app.get("/rollouts/{rollout_id:path}/view", response_class=HTMLResponse, responses=ROLLOUT_ERRORS, dependencies=KEYED)
     async def view_rollout(self, rollout_id: RolloutIdPath):
         """The trajectory viewer: one self-contained page; the policy forbids anything external or scripted."""
         page = await self._read("view_rollout", {"rollout_id": _path_rollout_id(rollout_id)})

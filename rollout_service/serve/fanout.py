@@ -6,18 +6,25 @@ the call has a seed) and a list of prompts into one request per prompt; the serv
 outputs: choice ``index = prompt * n + j``, usage with each prompt counted once and the generated
 tokens summed, streamed chunks interleaved in the order they come (each naming its choice), one
 usage chunk at the end. Here each choice is one ordinary call of the turn runner, answered by its
-dialect as a one-choice answer, and the answers are merged the same way. Without a rollout id only:
-``n`` samples under one rollout id would be a group of rollouts (one per sample), not one rollout.
+dialect as a one-choice answer, and the answers are merged the same way.
+
+Under a rollout id ``R`` (chat completions), ``n > 1`` opens a group: choice ``j`` is the first call
+of rollout ``R/j`` (:func:`group_turns`), the members form the group ``R`` (or the one
+``X-Rollout-Group`` names) and start on one engine, the group's home. Each member is then a
+rollout like any other: its own turns, replay, migration and canary draws.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from typing import Any, AsyncIterator
 
 from rollout_service.serve.protocol.openai import bad_request
+from rollout_service.serve.turn_types import TurnRequest
+from rollout_service.store.base import ROLLOUT_ID_MAX_LEN
 
 DONE = b"data: [DONE]\n\n"
 
@@ -93,15 +100,16 @@ async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int
                 usages[i] = chunk["usage"]
                 template = template or chunk
                 continue
-            cid = cid or chunk.get("id") or uuid.uuid4().hex
-            chunk["id"] = cid
+            if "id" in chunk:  # (the token route's chunks carry a request_id instead, the same in every choice)
+                cid = cid or chunk["id"] or uuid.uuid4().hex
+                chunk["id"] = cid
             for choice in chunk.get("choices", []):
                 choice["index"] = i
             yield b"data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
         if include_usage and template is not None:
             # (a choice whose stream ended without its usage chunk, e.g. a lost engine, adds nothing)
             came = [(u, p) for u, p in zip(usages, prompt_of) if u is not None]
-            template = {**template, "id": cid or template.get("id"),
+            template = {**template, **({"id": cid} if cid is not None else {}),
                         "usage": summed_usage([u for u, _ in came], [p for _, p in came])}
             yield b"data: " + json.dumps(template, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
         yield DONE
@@ -114,17 +122,32 @@ async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int
 MAX_CHOICES = 1024  # choices (prompts x n) of one call: each is one engine request
 
 
-def check_n(n: int | None, max_n: int, rollout_id: str | None, prompts: int = 1) -> int:
-    """The call's ``n`` (1 when unset); 400 outside 1..max_n, above 1 under a rollout id, or when
-    prompts x n exceeds MAX_CHOICES."""
+def check_n(n: int | None, max_n: int, prompts: int = 1, param: str = "n") -> int:
+    """The call's ``n`` (1 when unset); 400 outside 1..max_n, or when prompts x n exceeds MAX_CHOICES."""
     n = 1 if n is None else n
     if not 1 <= n <= max_n:
-        raise bad_request(f"n must be in [1, {max_n}] (service.max_n), got {n}", param="n")
+        raise bad_request(f"{param} must be in [1, {max_n}] (service.max_n), got {n}", param=param)
     if prompts * n > MAX_CHOICES:
         raise bad_request(f"{prompts} prompts x n={n} is {prompts * n} choices; at most {MAX_CHOICES} per call",
-                          param="n")
-    if n > 1 and rollout_id is not None:
-        raise bad_request("n > 1 under a rollout id is not supported yet: each sample of a group is its own rollout "
-                          "(send one call per sample, each with its own X-Rollout-Id, and X-Rollout-Group to group "
-                          "them)", param="n", code="unsupported_parameter")
+                          param=param)
     return n
+
+
+def member_id(rollout_id: str, j: int) -> str:
+    """The rollout of choice ``j`` of a call with ``n > 1`` under ``rollout_id``."""
+    return f"{rollout_id}/{j}"
+
+
+def group_turns(turn: TurnRequest, n: int) -> list[TurnRequest]:
+    """The first calls of the group a call with ``n > 1`` opens under its rollout id ``R``: choice
+    ``j`` is rollout ``R/j`` with vLLM's child sampling, all of the group ``R`` (or X-Rollout-Group's)
+    and placed together. 400 (X-Rollout-Id) when ``R/{n-1}`` would be longer than a rollout id may be."""
+    assert turn.rollout_id is not None
+    last = member_id(turn.rollout_id, n - 1)
+    if len(last) > ROLLOUT_ID_MAX_LEN:
+        raise bad_request(f"with n={n} the rollout id may be at most {ROLLOUT_ID_MAX_LEN - len(last) + len(turn.rollout_id)} "
+                          f"characters: its members are {turn.rollout_id}/0 ... {last} (at most {ROLLOUT_ID_MAX_LEN})",
+                          param="X-Rollout-Id")
+    group = turn.rollout_group or turn.rollout_id
+    return [dataclasses.replace(turn, rollout_id=member_id(turn.rollout_id, j), rollout_group=group, group_together=True,
+                                sampling=child_sampling(turn.sampling, j)) for j in range(n)]

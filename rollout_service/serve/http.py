@@ -155,14 +155,26 @@ def route_of(scope) -> str:
     refused before routing (401, 413) the route it would have reached; ``unmatched`` for none."""
     path = getattr(scope.get("route"), "path", None)
     if path:
-        return path
+        return _template(path)
+    partial = None  # the path matches, the method does not (a 405 to be)
     for route in getattr(scope.get("app"), "routes", ()):
         try:
-            if route.matches(scope)[0] != Match.NONE:
-                return route.path
+            match = route.matches(scope)[0]
         except Exception:
             continue
-    return "unmatched"
+        if match == Match.FULL:
+            return _template(route.path)
+        if match == Match.PARTIAL and partial is None:
+            partial = route.path
+    return _template(partial) if partial is not None else "unmatched"
+
+
+def _template(path: str) -> str:
+    """``/v1/rollouts/{rollout_id:path}`` as ``/v1/rollouts/{rollout_id}`` (no converter in the label)."""
+    return _CONVERTER.sub(r"{\1}", path)
+
+
+_CONVERTER = re.compile(r"\{(\w+):\w+\}")
 
 
 async def observed(events: AsyncIterator, stream: bool) -> AsyncIterator:

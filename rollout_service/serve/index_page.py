@@ -1,6 +1,7 @@
 """``GET /rollouts``: the most recent rollouts as one self-contained HTML page (no script, no external
 resource; the viewer's policy), each linking to its view (``/rollouts/{id}/view``) and its JSON
-(``/v1/rollouts/{id}``), with a link to the next, older page."""
+(``/v1/rollouts/{id}``), with a link to the next, older page; ``GET /rollouts?group={id}``: a group's
+members on one page."""
 
 from __future__ import annotations
 
@@ -67,4 +68,27 @@ def render_index_html(rows: list[dict[str, Any]], next_cursor: str | None, limit
         out.append(f"<nav><a rel=\"next\" href=\"/rollouts?limit={limit}&amp;cursor={quote(next_cursor, safe='')}\">"
                    "Older rollouts</a></nav>")
     out.append("</body></html>\n")
+    return "".join(out)
+
+
+def render_group_html(group: dict[str, Any]) -> str:
+    """``GET /rollouts?group={id}``: one group's members (``GET /v1/groups/{id}``'s document) as a page,
+    each with its state, turns and weight versions, linking to its view and its JSON."""
+    e = html.escape
+    gid = group["id"]
+    counts = ", ".join(f"{n} {state}" for state, n in group["states"].items() if n)
+    out = ["<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Group ",
+           e(gid), f"</title><style>{_CSS}</style></head><body><h1>Group {e(gid)}</h1>",
+           f"<p class=\"summary\">{group['size']} members: {e(counts)} · "
+           f"<a href=\"/v1/groups/{quote(gid, safe='')}\">JSON</a> · <a href=\"/rollouts\">recent rollouts</a></p>",
+           "<table><thead><tr><th>member</th><th>state</th><th>turns</th><th>first weight version</th>"
+           "<th>last weight version</th><th></th></tr></thead><tbody>"]
+    for m in group["members"]:
+        rid = quote(m["id"], safe="")
+        state = m["state"] + (f" ({m['status_reason']})" if m.get("status_reason") else "")
+        link = (f"<a href=\"/rollouts/{rid}/view\">{e(m['id'])}</a>" if m["turns"] else e(m["id"]))
+        out.append(f"<tr><td class=\"id\">{link}</td><td>{e(state)}</td><td class=\"num\">{m['turns']}</td>"
+                   f"<td>{e(m['first_weight_version'] or '-')}</td><td>{e(m['last_weight_version'] or '-')}</td>"
+                   f"<td><a href=\"/v1/rollouts/{rid}\">JSON</a></td></tr>")
+    out.append("</tbody></table></body></html>\n")
     return "".join(out)

@@ -85,8 +85,10 @@ class RolloutSteering:
         except StoreError as err:
             logger.warning("could not mark rollout %s stale: %s", exc.rollout_id, err)
 
-    async def abort_rollout(self, rollout_id: str, reason: Any = None) -> dict[str, Any]:
-        """Abort a rollout (idempotent): its status, then its running request on every engine."""
+    async def abort_rollout(self, rollout_id: str, reason: Any = None, *, create: bool = False) -> dict[str, Any]:
+        """Abort a rollout (idempotent): its status, then its running request on every engine.
+        ``create``: a rollout with nothing stored yet (a group member on its first call) is aborted
+        too, instead of a 404."""
         try:
             validate_rollout_id(rollout_id)
         except StoreError as exc:
@@ -96,7 +98,7 @@ class RolloutSteering:
         if reason is not None and len(reason) > ABORT_REASON_MAX_LEN:
             raise bad_request(f"reason must be at most {ABORT_REASON_MAX_LEN} characters", param="reason")
         try:
-            fresh = await self._store_op("mark", self.store.mark(rollout_id, "aborted", reason or ""))
+            fresh = await self._store_op("mark", self.store.mark(rollout_id, "aborted", reason or "", create=create))
         except StoreError as exc:
             raise http_error(exc) from None
         if fresh is None:

@@ -67,8 +67,12 @@ class TurnRequest:
     # Token in, token out (/inference/v1/generate): the prompt as ids the client rendered itself;
     # ``messages`` is then empty and nothing is templated or parsed.
     prompt_token_ids: list[int] | None = None
-    # X-Rollout-Group: the rollout's group (routing.group_placement). Routing only: not in the digest.
+    # X-Rollout-Group, or the group a call with n > 1 opens: the rollout's group (GET /v1/groups/{id};
+    # routing.group_placement). Not in the digest.
     rollout_group: str | None = None
+    # A member of a call with n > 1: the group starts on one engine whatever routing.group_placement says
+    # (one prompt, prefilled there; shared through the prefix cache when it is on). Not in the digest.
+    group_together: bool = False
     # X-Max-Staleness: this call's staleness bound in versions (None: rollouts.max_staleness). Admission
     # only: not in the digest.
     max_staleness: int | None = None

@@ -55,6 +55,7 @@ from rollout_service.serve.constraints import (
 )
 from rollout_service.serve.dialects.common import optional_rollout_id
 from rollout_service.serve.errors import engine_refusal, http_error, key_reused
+from rollout_service.serve.groups import RolloutGroups
 from rollout_service.serve.reads import RolloutReads
 from rollout_service.serve.token_texts import TokenTexts, context_of
 from rollout_service.serve.seams import SeamStops
@@ -87,7 +88,7 @@ def _chat_template(config: RolloutServiceConfig, tokenizer) -> ChatTemplate:
     return ChatTemplate(tokenizer, source, name=name)
 
 
-class TurnRunner(RolloutReads, RolloutSteering):
+class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
     """Runs the calls of the rollouts routed to this replica (and answers reads: :class:`RolloutReads`;
     aborts and the staleness bound: :class:`RolloutSteering`)."""
 
@@ -296,6 +297,8 @@ class TurnRunner(RolloutReads, RolloutSteering):
                                      content=replay.message.get("content") or "",
                                      prompt_token_ids=replay.prompt_token_ids, token_strs=replay.token_strs)
                 get_metrics().turn("replay")
+                if req.rollout_group is not None:  # e.g. a retry of a call whose answer was lost after its append
+                    await self.note_group(req.rollout_group, rollout_id, "finished")
                 yield replay
                 return
             try:  # an aborted rollout, or one past its staleness bound: 409, nothing generated or stored
@@ -303,10 +306,25 @@ class TurnRunner(RolloutReads, RolloutSteering):
             except StaleRollout as exc:
                 await self.mark_stale(exc)
                 raise
-            async for event in self._run(req, state, digest):
-                if isinstance(event, TurnResult):
-                    release()  # stored: the rollout is free before the consumer reads the result
-                yield event
+            group = req.rollout_group
+            # Recorded as running beside the generation (the members of a call with n > 1 were
+            # recorded by that call before it fanned out), and as finished or failed before the
+            # answer or the error leaves: a client's retry cannot overtake its call's last record.
+            running = (asyncio.ensure_future(self.note_group(group, rollout_id, "running"))
+                       if group is not None and not req.group_together else None)
+            stored = False
+            try:
+                async for event in self._run(req, state, digest):
+                    if isinstance(event, TurnResult):
+                        release()  # stored: the rollout is free before the consumer reads the result
+                        stored = True
+                        if group is not None:
+                            await self.end_group_call(running, group, rollout_id, "finished")
+                            group = None
+                    yield event
+            finally:
+                if group is not None:  # an error, or the caller went away before the answer
+                    await self.end_group_call(running, group, rollout_id, "finished" if stored else "failed")
         finally:
             release()
 
@@ -451,7 +469,13 @@ class TurnRunner(RolloutReads, RolloutSteering):
             rollout={"id": rollout_id, "turn": delta.turn, "segment": delta.segment_index, "monotonic": plan.monotonic,
                      "constrained": constrained, "replayed": False,
                      **({"engine_moved": True} if any(r.moved for r in routed) else {}),
-                     **({"migrations": final_chunk.migrations} if final_chunk.migrations else {})}
+                     **({"migrations": final_chunk.migrations} if final_chunk.migrations else {}),
+                     # prompt tokens whose KV came from the prefix cache (salted by weight version):
+                     # a group's members after the first, with engine.enable_prefix_caching on
+                     # (a call continued on another engine: the continuation's count would include
+                     # its own tokens, so none is given)
+                     **({"cached_prompt_tokens": final_chunk.num_cached_tokens}
+                        if final_chunk.num_cached_tokens and not final_chunk.migrations else {})}
             if rollout_id is not None else None,
             engine_index=final_chunk.engine_index,
             token_strs=self.token_strs(ids, tops) if req.want_token_strs else None,
@@ -541,9 +565,11 @@ class TurnRunner(RolloutReads, RolloutSteering):
 
     # ------------------------------------------------------------------ engine
     def _group(self, req: TurnRequest, state: RolloutState | None, prompt_ids: list[int]) -> str | None:
-        """The rollout's group for routing.group_placement together: X-Rollout-Group, else (on its first
-        call) the digest of its first prompt, which a GRPO group's rollouts share."""
-        if self.config.routing.group_placement != "together" or req.rollout_id is None:
+        """The group whose home engine the rollout's first call starts on, under
+        routing.group_placement together or as a member of a call with n > 1: its group
+        (X-Rollout-Group or the call's), else the digest of its first prompt, which a GRPO group's
+        rollouts share. None: the routing policy alone decides."""
+        if req.rollout_id is None or not (req.group_together or self.config.routing.group_placement == "together"):
             return None
         if state is not None and state.turn:
             return None  # its later calls follow its own pin (or, if that engine left, the least loaded)

@@ -20,10 +20,13 @@ from typing import Literal, Protocol, runtime_checkable
 from rollout_service.onpolicy.types import RolloutState, TurnDelta
 
 # Rollout ids end up inside Redis keys (between the ``{...}`` hash-tag braces), in SCAN patterns and
-# in URL paths (``/v1/rollouts/{id}``): braces, glob characters, slashes and whitespace would break one
-# of those, so the charset is the intersection that is safe everywhere.
+# in URL paths (``/v1/rollouts/{id}``): braces, glob characters and whitespace would break one of
+# those, so the charset is the intersection that is safe everywhere. A slash only between two
+# non-empty parts (the members of a group a call with ``n > 1`` opens are ``R/0 ... R/{n-1}``), and no
+# part of dots alone (``a/..`` would be another path once a client normalises the URL).
 ROLLOUT_ID_MAX_LEN = 128
-_ROLLOUT_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,%d}" % ROLLOUT_ID_MAX_LEN)
+_PART = r"(?!\.+(?:/|$))[A-Za-z0-9_.:\-]+"
+_ROLLOUT_ID_RE = re.compile(r"(?=.{1,%d}$)%s(?:/%s)*" % (ROLLOUT_ID_MAX_LEN, _PART, _PART))
 ROLLOUT_ID_PATTERN = f"^{_ROLLOUT_ID_RE.pattern}$"  # the same rule as a JSON Schema pattern (the OpenAPI schema)
 
 
@@ -149,7 +152,8 @@ def validate_rollout_id(rollout_id: object) -> str:
     if len(rollout_id) > ROLLOUT_ID_MAX_LEN:
         raise InvalidRolloutId(rollout_id, f"longer than {ROLLOUT_ID_MAX_LEN} characters")
     if not _ROLLOUT_ID_RE.fullmatch(rollout_id):
-        raise InvalidRolloutId(rollout_id, "allowed characters are letters, digits and - _ . :")
+        raise InvalidRolloutId(rollout_id, "allowed characters are letters, digits and - _ . : (and / between two "
+                                           "non-empty parts; no part of dots alone)")
     return rollout_id
 
 
@@ -193,10 +197,22 @@ class RolloutStore(Protocol):
         """
         ...
 
-    async def mark(self, rollout_id: str, status: str, reason: str = "") -> bool | None:
+    async def mark(self, rollout_id: str, status: str, reason: str = "", *, create: bool = False) -> bool | None:
         """Set the rollout's status (one of ``ROLLOUT_STATUSES``) and its reason: True if set,
         False if it is already aborted (an abort stands: idempotent, first reason kept), None if the
-        rollout is unknown. Nothing else of the rollout changes."""
+        rollout is unknown. Nothing else of the rollout changes. ``create``: an unknown rollout is
+        created with no turn and this status (a group member whose first call is still running is
+        aborted before it has stored anything: that call's answer is the one the store still takes)."""
+        ...
+
+    async def set_group_members(self, group_id: str, states: dict[str, str]) -> None:
+        """Record rollouts as members of a group, each with the record of its last call under it (a
+        string the store keeps as given: ``onpolicy.groups.call_entry``). The group expires
+        ``ttl_seconds`` after its last write, as a rollout does after its last turn."""
+        ...
+
+    async def group_members(self, group_id: str) -> dict[str, str]:
+        """A group's members -> their last call's record; {} for an unknown group."""
         ...
 
     async def delete(self, rollout_id: str) -> bool:

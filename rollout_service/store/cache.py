@@ -155,13 +155,19 @@ class CachedRolloutStore:
         self._invalidate(rollout_id)
         return await self.inner.delete(rollout_id)
 
-    async def mark(self, rollout_id: str, status: str, reason: str = "") -> bool | None:
+    async def mark(self, rollout_id: str, status: str, reason: str = "", *, create: bool = False) -> bool | None:
         validate_rollout_id(rollout_id)
         self._invalidate(rollout_id)
         try:
-            return await self.inner.mark(rollout_id, status, reason)
+            return await self.inner.mark(rollout_id, status, reason, create=create)
         finally:
             self._invalidate(rollout_id)  # a load racing the mark may have cached the status before it
+
+    async def set_group_members(self, group_id: str, states: dict[str, str]) -> None:
+        await self.inner.set_group_members(group_id, states)  # groups are not cached: read on demand
+
+    async def group_members(self, group_id: str) -> dict[str, str]:
+        return await self.inner.group_members(group_id)
 
     async def exists(self, rollout_id: str) -> bool:
         found = await self.inner.exists(rollout_id)

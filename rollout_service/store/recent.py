@@ -1,8 +1,9 @@
 """The recent-rollouts index: which rollouts were appended to last, newest first, a page at a time.
 
 One sorted set ``P:recent`` (member: rollout id, score: its last append in Unix ms), written after
-every append and trimmed to the configured size in the same round trip, so it never grows and a
-page costs O(page size): a ``ZREVRANGEBYSCORE`` for the ids, then one ``HMGET`` of each rollout's
+every append, off the append's acknowledgement (in the background, the appends of the moment
+coalesced into one write) and trimmed to the configured size in the same round trip, so it never
+grows and a page costs O(page size): a ``ZREVRANGEBYSCORE`` for the ids, then one ``HMGET`` of each rollout's
 ``meta`` hash for the summary the append script keeps there (turns, segments, last weight version,
 constrained calls, migrations, last append). A rollout that expired or was deleted since is left
 out of the page and dropped from the index. The set has no hash tag: on a Redis Cluster it lives
@@ -22,7 +23,7 @@ from rollout_service.onpolicy.types import TurnDelta
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 1000
-NOTE_TIMEOUT_S = 0.5  # longest a turn waits for its index entry (then it goes on without it)
+NOTE_TIMEOUT_S = 0.5  # longest one background index write may take (then it is dropped, logged)
 MAX_ROUNDS = 8  # a page skips at most this many pages' worth of expired entries before it answers
 
 
@@ -78,17 +79,34 @@ class RecentIndex:
         self.key = f"{key_prefix}:recent"
         self.size = size
         self.meta_key = meta_key
+        self._pending: dict[str, int] = {}  # noted, not written yet
+        self._writer: asyncio.Task | None = None
 
-    async def note(self, rollout_id: str, at_ms: int) -> None:
+    def note_soon(self, rollout_id: str, at_ms: int) -> None:
+        """Index an append in the background (the turn is acknowledged without waiting for it)."""
         if self.size <= 0:
             return
-        try:  # bounded on its own: the turn is acknowledged already, a slow index must not hold it
-            async with self.client.pipeline(transaction=False) as pipe:
-                pipe.zadd(self.key, {rollout_id: at_ms})
-                pipe.zremrangebyrank(self.key, 0, -(self.size + 1))
-                await asyncio.wait_for(pipe.execute(), NOTE_TIMEOUT_S)
-        except Exception as exc:  # the turn is stored; only the browsing index misses it
-            log.warning("recent-rollouts index not updated for %s: %s", rollout_id, exc)
+        self._pending[rollout_id] = max(at_ms, self._pending.get(rollout_id, 0))
+        loop = asyncio.get_running_loop()
+        if self._writer is None or self._writer.done() or self._writer.get_loop() is not loop:
+            self._writer = loop.create_task(self._write_pending())
+
+    async def settled(self) -> None:
+        """Wait until what was noted on this event loop is written (a page reads its own appends)."""
+        writer = self._writer
+        if writer is not None and not writer.done() and writer.get_loop() is asyncio.get_running_loop():
+            await asyncio.shield(writer)
+
+    async def _write_pending(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, {}
+            try:  # bounded on its own: a slow index must not pile up behind it
+                async with self.client.pipeline(transaction=False) as pipe:
+                    pipe.zadd(self.key, batch)
+                    pipe.zremrangebyrank(self.key, 0, -(self.size + 1))
+                    await asyncio.wait_for(pipe.execute(), NOTE_TIMEOUT_S)
+            except Exception as exc:  # the turns are stored; only the browsing index misses them
+                log.warning("recent-rollouts index not updated for %d rollout(s): %s", len(batch), exc)
 
     async def forget(self, rollout_id: str) -> None:
         if self.size <= 0:
@@ -105,6 +123,7 @@ class RecentIndex:
         expired since they were indexed are dropped as they are met; a page reads past them for at
         most ``MAX_ROUNDS`` pages' worth before it answers with fewer rows."""
         after = parse_cursor(cursor)
+        await self.settled()
         limit = max(1, min(int(limit), MAX_PAGE))
         out: list[RolloutSummary] = []
         exhausted = False

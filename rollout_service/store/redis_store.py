@@ -163,16 +163,23 @@ if tonumber(m[1]) == tonumber(ARGV[1]) and (ARGV[2] == '' or (m[3] or '') == ARG
 return snapshot(m)
 """
 
-# ARGV: status (aborted | stale), reason. Returns 0 for an unknown rollout, 2 when it is already
-# aborted (kept as it was: the first abort's reason stands; an abort is never undone), else 1.
+# ARGV: status (aborted | stale), reason, ttl_ms ('' = an unknown rollout stays unknown). Returns 0
+# for an unknown rollout (unless ttl_ms: then it is created with no turn, marked, expiring in ttl_ms),
+# 2 when it is already aborted (kept as it was: the first abort's reason stands; an abort is never
+# undone), else 1.
 _LUA_MARK = """
 local meta = KEYS[1]
 local m = redis.call('HMGET', meta, 'turn', 'st')
-if not m[1] then return 0 end
+if not m[1] then
+  if ARGV[3] == '' then return 0 end
+  redis.call('HSET', meta, 'turn', 0, 'nseg', 0, 'v', %d, 'st', ARGV[1], 'why', ARGV[2])
+  redis.call('PEXPIRE', meta, tonumber(ARGV[3]))
+  return 1
+end
 if m[2] == 'aborted' then return 2 end
 redis.call('HSET', meta, 'st', ARGV[1], 'why', ARGV[2])
 return 1
-"""
+""" % LAYOUT_VERSION
 
 # Returns the number of keys removed (0: unknown rollout).
 _LUA_DELETE = _LUA_KEYS + """
@@ -305,7 +312,11 @@ class RedisRolloutStore:
         if use_cluster:
             client = aioredis.RedisCluster.from_url(clean, **client_kwargs)
         else:
-            client = aioredis.Redis.from_url(clean, **client_kwargs)
+            # One Redis: a command that finds every pooled connection busy waits for one (at most the
+            # command deadline) instead of failing with "Too many connections" (redis-py's ConnectionPool).
+            wait = client_kwargs.get("socket_timeout") or 5.0
+            pool = aioredis.BlockingConnectionPool.from_url(clean, timeout=wait, **client_kwargs)
+            client = aioredis.Redis.from_pool(pool)
         return cls(client, ttl_seconds=ttl_seconds, key_prefix=key_prefix, owns_client=True, **store_kwargs)
 
     @classmethod
@@ -319,7 +330,7 @@ class RedisRolloutStore:
             config.redis_url, ttl_seconds=config.ttl_seconds, key_prefix=config.key_prefix,
             durability=config.durability, min_replicas=config.min_replicas,
             replication_timeout_s=config.replication_timeout_s, recent_size=config.recent_rollouts,
-            **{**client_deadlines(config), **client_kwargs},
+            **{**client_deadlines(config), "max_connections": config.max_connections, **client_kwargs},
         )
 
     @property
@@ -396,7 +407,7 @@ class RedisRolloutStore:
             raise InvalidTurnDelta(
                 f"segment_index {enc.segment_index} does not name {want} (rollout has {int(value)} segments)"
             )
-        await self.recent.note(rollout_id, now_ms)
+        self.recent.note_soon(rollout_id, now_ms)
 
     async def _with_wait(self, script, key: str, args: list) -> tuple[Any, int]:
         """``script`` then ``WAIT`` on one connection (a pipeline): Redis's WAIT counts the replicas
@@ -427,18 +438,19 @@ class RedisRolloutStore:
             _, acked = await self._with_wait(self._touch, self.meta_key(rollout_id), [self._ttl_ms])
         self._check_replicated(acked)
 
-    async def mark(self, rollout_id: str, status: str, reason: str = "") -> bool | None:
+    async def mark(self, rollout_id: str, status: str, reason: str = "", *, create: bool = False) -> bool | None:
         meta = self.meta_key(rollout_id)
         if status not in ROLLOUT_STATUSES:
             raise ValueError(f"status must be one of {ROLLOUT_STATUSES}, got {status!r}")
+        args = [status, reason, self._ttl_ms if create else ""]
         async with self._translate():
             if self.durability == "replicated":  # an abort survives a failover as a turn does
-                raw, acked = await self._with_wait(self._mark, meta, [status, reason])
+                raw, acked = await self._with_wait(self._mark, meta, args)
                 result = int(raw)
                 if result:
                     self._check_replicated(acked)
             else:
-                result = int(await self._mark(keys=[meta], args=[status, reason]))
+                result = int(await self._mark(keys=[meta], args=args))
         return None if result == 0 else result == 1
 
     async def delete(self, rollout_id: str) -> bool:
@@ -465,6 +477,27 @@ class RedisRolloutStore:
         if ms == -2:
             return None
         return float("inf") if ms == -1 else ms / 1000.0
+
+    def group_key(self, group_id: str) -> str:
+        return f"{self.key_prefix}:group:{{{validate_rollout_id(group_id)}}}"
+
+    async def set_group_members(self, group_id: str, states: dict[str, str]) -> None:
+        """Record members of a group and the record of each one's last call under it: one hash per
+        group (member -> record), expiring ``ttl_seconds`` after its last write."""
+        for rid in states:
+            validate_rollout_id(rid)
+        key = self.group_key(group_id)
+        async with self._translate():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(key, mapping=states)
+            pipe.pexpire(key, self._ttl_ms)
+            await pipe.execute()
+
+    async def group_members(self, group_id: str) -> dict[str, str]:
+        """A group's members and their last call's record ({} for an unknown group)."""
+        async with self._translate():
+            raw = await self.client.hgetall(self.group_key(group_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}
 
     async def list_recent(self, limit: int, cursor: str | None = None) -> tuple[list[dict[str, Any]], str | None, int]:
         """A page of the recent-rollouts index (store/recent.py): summaries newest first, the next
@@ -499,6 +532,10 @@ class RedisRolloutStore:
             return False
 
     async def close(self) -> None:
+        try:
+            await self.recent.settled()  # the index entries of the last appends, before the client goes
+        except Exception:  # noqa: BLE001 - logged by the index; closing goes on
+            pass
         if self._owns_client:
             await self.client.aclose()
 

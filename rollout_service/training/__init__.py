@@ -7,7 +7,7 @@ from rollout_service.training.corrections import Correction, CorrectionWeights, 
 from rollout_service.training.diagnostics import StepDiagnostics, step_diagnostics
 from rollout_service.training.grpo import group_advantages
 from rollout_service.training.parity import ParityStats, rows_parity
-from rollout_service.training.rows import Batch, TrainingRow, TurnBounds, collate, rows_from_trajectory
+from rollout_service.training.rows import Batch, TrainingRow, TurnBounds, collate, rows_from_group, rows_from_trajectory
 
 __all__ = ["Batch", "Correction", "CorrectionWeights", "ParityStats", "StepDiagnostics", "TrainingRow", "TurnBounds", "collate", "correction_shares", "correction_weights", "group_advantages",
-           "rows_from_trajectory", "rows_parity", "step_diagnostics"]
+           "rows_from_group", "rows_from_trajectory", "rows_parity", "step_diagnostics"]

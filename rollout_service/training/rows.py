@@ -155,3 +155,20 @@ def collate(rows: Sequence[TrainingRow], pad_id: int, *, advantages: Sequence[fl
         out.versions.append(r.versions + [None] * pad)
         out.advantages.append([adv if m else 0.0 for m in r.loss_mask] + [0.0] * pad)
     return out
+
+
+def rows_from_group(group: dict[str, Any], *, include_constrained: bool = True) -> list[TrainingRow]:
+    """Training rows of every finished member of a group (``GET /v1/groups/{id}?trajectories=true``,
+    ``TrainerClient.group``), in member order (``R/0``, ``R/1``, ...): the rows of one GRPO group.
+    Members that are running, failed, aborted, stale or missing give none. Raises ValueError if a
+    finished member came without its trajectory (the group was read without trajectories)."""
+    rows: list[TrainingRow] = []
+    for member in group.get("members") or []:
+        if member.get("state") != "finished":
+            continue
+        trajectory = member.get("trajectory")
+        if trajectory is None:
+            raise ValueError(f"group {group.get('id')!r}: member {member.get('id')!r} has no trajectory "
+                             "(read the group with trajectories: GET /v1/groups/{id}?trajectories=true)")
+        rows.extend(rows_from_trajectory(trajectory, include_constrained=include_constrained))
+    return rows

@@ -109,9 +109,10 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
     )
 
 
-def _logprobs(ids, lps, tops, strs, as_ids: bool, k: int) -> cc.ChoiceLogprobs:
-    return cc.ChoiceLogprobs(content=[ChatCompletionTokenLogprob.model_validate(entry)
-                                      for entry in token_logprobs(ids, lps, tops, strs, as_ids, k)])
+def _logprobs(ids, lps, tops, strs, as_ids: bool, k: int, model=cc.ChoiceLogprobs):
+    """``model``: the answer's ChoiceLogprobs, or a stream chunk's (``ch.ChoiceLogprobs``, another class)."""
+    return model(content=[ChatCompletionTokenLogprob.model_validate(entry)
+                          for entry in token_logprobs(ids, lps, tops, strs, as_ids, k)])
 
 
 def response(result: TurnResult, req: ChatCompletionRequest, model: str) -> RolloutChatCompletion:
@@ -171,7 +172,7 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
         if event.content:
             delta["content"] = event.content
         lp = (_logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs, as_ids,
-                      req.top_logprobs or 0) if req.logprobs and not hidden else None)
+                        req.top_logprobs or 0, ch.ChoiceLogprobs) if req.logprobs and not hidden else None)
         return delta, lp, ({"token_ids": event.token_ids} if ids_shown else {})
 
     yield chunk({"role": "assistant", "content": ""},

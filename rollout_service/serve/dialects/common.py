@@ -63,9 +63,12 @@ def rollout_headers(
                                                   json_schema_extra={"minLength": 1,
                                                                      "maxLength": IDEMPOTENCY_KEY_MAX_LEN})] = None,
     x_rollout_group: Annotated[str | None, Header(description="The group a rollout belongs to (GRPO: the rollouts of "
-                                                              "one prompt). Under routing.group_placement together, a "
-                                                              "group's rollouts start on the same engine (its prompt "
-                                                              "prefix cached once). Same rules as a rollout id.",
+                                                              "one prompt), readable at GET /v1/groups/{id} (each call "
+                                                              "under it records the member's state). With n > 1: the "
+                                                              "group the call's members form (default: the rollout id). "
+                                                              "Under routing.group_placement together, a group's "
+                                                              "rollouts start on the same engine (its prompt prefix "
+                                                              "cached once). Same rules as a rollout id.",
                                                   json_schema_extra=_ROLLOUT_ID_SCHEMA)] = None,
     x_max_staleness: Annotated[str | None, Header(description="This call's staleness bound (overrides "
                                                               "rollouts.max_staleness): the call is admitted only while "

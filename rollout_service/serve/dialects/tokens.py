@@ -31,8 +31,9 @@ ROUTE = "/inference/v1/generate"
 PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 # Keys whose value changes nothing here (the ids are decoded for the stored message either way, the
-# output kind follows ``stream``, one sequence per call) when left at what this service does.
-NEUTRAL = {"detokenize": (True, False), "n": (1,), "output_kind": None, "routed_experts_prompt_start": None}
+# output kind follows ``stream``) when left at what this service does. ``n`` is read apart (the app
+# fans it out: serve/fanout.py).
+NEUTRAL = {"detokenize": (True, False), "output_kind": None, "routed_experts_prompt_start": None}
 # Request fields this service does not serve, with the value that means "not used".
 UNSERVED = {"features": None, "content_parts": None, "kv_transfer_params": None, "ec_transfer_params": None,
             "token_offsets": None, "reasoning_ended": None, "reasoning_parser_kwargs": None, "cache_salt": None,
@@ -52,7 +53,7 @@ _SAMPLING_SCHEMA = {
         "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
         "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
         "ignore_eos": {"type": "boolean"}, "skip_special_tokens": {"type": "boolean"},
-        "include_stop_str_in_output": {"type": "boolean"}, "detokenize": {"type": "boolean"}, "n": {"const": 1},
+        "include_stop_str_in_output": {"type": "boolean"}, "detokenize": {"type": "boolean"}, "n": {"type": "integer", "minimum": 1},
     },
 }
 REQUEST_SCHEMA = {
@@ -108,7 +109,7 @@ def turn_request(raw: Any, headers: RolloutHeaders, request_id_header: str | Non
                               param=name, code="unsupported_parameter")
     sp, defaults = req.sampling_params, _sampling_defaults()
     for key in sampling:  # the keys the client sent; their values as vLLM's model validated them
-        if key in PASSED or key in ("logprobs", "max_tokens"):
+        if key in PASSED or key in ("logprobs", "max_tokens", "n"):
             continue
         value = getattr(sp, key, None)
         if key in NEUTRAL and (NEUTRAL[key] is None or value in NEUTRAL[key]):
