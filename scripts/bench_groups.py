@@ -64,6 +64,8 @@ async def one_group(runner, way: str, g: int, args, seed: int) -> dict:
     prompt = len(results[0].prompt_token_ids)
     cached = [r.rollout.get("cached_prompt_tokens", 0) for r in results]
     slots = {r.engine_index for r in results}
+    if args.show_members:
+        print(f"  {way}: prompt {prompt}, cached per member {cached}, engines {sorted(slots)}, {wall:.2f} s", flush=True)
     return {"way": way, "wall": wall, "prompt": prompt, "computed": sum(prompt - c for c in cached), "engines": len(slots)}
 
 
@@ -116,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settings", default="off,on", help="prefix caching settings to run, in order")
+    ap.add_argument("--show-members", action="store_true", help="print each group's per-member cache hits")
     args = ap.parse_args(argv)
     args.prompt_words = max(1, args.prompt_tokens // 3)  # "w1234" is ~3 tokens of the Qwen BPE
 
