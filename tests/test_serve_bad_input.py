@@ -197,12 +197,12 @@ ROWS = _rows() + [
             code="invalid_rollout_id"), id=f"{route}-{header}-{label}")
       for route in ("chat", "responses", "tokenize")
       for header in ("X-Rollout-Id", "X-Session-ID")
-      for label, value in (("empty", ""), ("too-long", "r" * 300), ("slash", "a/b"), ("space", "a b"),
+      for label, value in (("empty", ""), ("too-long", "r" * 300), ("empty-part", "a//b"), ("dot-part", "a/.."), ("space", "a b"),
                            ("braces", "x{y}"), ("non-ascii", "r\u00e9".encode()))],
     *[p(Bad(route, headers={"X-Rollout-Group": value}, param="X-Rollout-Group", code="invalid_rollout_id"),
         id=f"{route}-rollout-group-{label}")
       for route in ("chat", "responses", "tokenize")
-      for label, value in (("empty", ""), ("too-long", "g" * 300), ("slash", "a/b"), ("space", "a b"))],
+      for label, value in (("empty", ""), ("too-long", "g" * 300), ("empty-part", "a//b"), ("space", "a b"))],
     *[p(Bad(route, lambda r: {"metadata": {"rollout_id": value}}, headers=NO_ROLLOUT, param="metadata.rollout_id",
             code="invalid_rollout_id"), id=f"{route}-metadata-rollout-id-{label}")
       for route in ("chat", "responses", "tokenize")
@@ -385,7 +385,7 @@ ROWS = _rows() + [
           ("stop", "too-many", ["a"] * 17, "stop"), ("stop", "empty-string", [""], "stop"),
           ("ignore_eos", "int", 1, "ignore_eos"), ("skip_special_tokens", "string", "no", "skip_special_tokens"),
           ("stream", "string", "yes", "stream"),
-      ) if not (route == "completions" and (name, label) == ("n", "two"))],  # completions answer n choices
+      ) if not (route in ("completions", "chat") and (name, label) == ("n", "two"))],  # both answer n choices
     p(Bad("completions", {"n": 65}, param="n"), id="completions-n-over-max"),
     p(Bad("completions", {"prompt": ["a"] * 1025}, param="prompt"), id="completions-too-many-prompts"),
     p(Bad("chat", {"logprobs": "yes"}, param="logprobs"), id="chat-logprobs-string"),

@@ -51,7 +51,7 @@ def _unchanged(http, rid, snapshot):
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"model": MODEL, "messages": [{"role": "user"}]}, "messages[0]"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 65}, "n"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, None),
