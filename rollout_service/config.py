@@ -282,7 +282,7 @@ class StoreConfig(_Strict):
     max_connections: int = Field(
         256, ge=1, description="Connections to Redis each data-plane replica (and each other store client) keeps at "
         "most. On one Redis (redis://) a command that finds them all busy waits for a free one, at most "
-        "store.timeout_s (then 503 store_unavailable); a Redis Cluster's or Sentinel's client refuses past it "
+        "store.timeout_s (then 503 store_unavailable); a Redis Cluster's client (per node) or Sentinel's refuses past it "
         "instead (redis-py has no waiting pool for those), so size it to the calls a replica runs at once.")
     retries: int = Field(
         2, ge=0, description="Times a store command that failed on a connection error or a timeout is sent again "
@@ -360,8 +360,8 @@ class ServiceConfig(_Strict):
     )
     access_log: bool = Field(False, description="Ray Serve access log lines for every request (costs CPU per call).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none (capped by context).")
-    max_n: int = Field(64, ge=1, description="The largest `n` (choices per call) chat completions and completions "
-                       "accept; each choice is one call to the engines (under a rollout id: one rollout of the group the "
+    max_n: int = Field(64, ge=1, description="The largest `n` (choices per call) chat completions, completions and the "
+                       "token route (sampling_params.n) accept; each choice is one call to the engines (under a rollout id: one rollout of the group the "
                        "call opens).")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Larger bodies get 413.")
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -1,14 +1,16 @@
 """A GRPO group's cost: one call with ``n = G`` under a rollout id against G separate calls of the same
 prompt, with prefix caching off (the parity default) and on, and the separate calls spread or placed
-together (``routing.group_placement``), in alternating rounds.
+together (``routing.group_placement``), round after round (each round runs the three ways in a fixed
+order, ``n`` first).
 
-    .venv/bin/python scripts/bench_groups.py [--group 8] [--engines 2] [--prompt-tokens 512]
-        [--tokens 32] [--rounds 3]
+    .venv/bin/python scripts/bench_groups.py [--group 8] [--engines 2] [--prompt-words 170]
+        [--tokens 32] [--rounds 3] [--settings off,on] [--show-members]
 
 Per prefix-caching setting, a real fleet of ``--engines`` engines (the tiny model on CPU), the real
 data plane over it (TurnRunner, FleetClient, the routing policy that setting gets) and an embedded
 redis-server. A round runs each way once, one group at a time, every group a fresh prompt of
-``--prompt-tokens`` tokens (nothing cached from an earlier round), ``--tokens`` generated per
+``--prompt-words`` words (~4.9 tokens each: 170 words are ~830 tokens; nothing cached from an
+earlier round), ``--tokens`` generated per
 sample (ignore_eos). Prints a markdown table: per setting and way, the prompt tokens the engines
 computed per group (prompt tokens less those taken from the prefix cache, summed over the members:
 ``message.rollout.cached_prompt_tokens``), as a multiple of one prompt, and the median wall time of a
@@ -114,13 +116,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--prompt-words", type=int, default=170, help="words per prompt (~4.9 tokens each)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settings", default="off,on", help="prefix caching settings to run, in order")
     ap.add_argument("--show-members", action="store_true", help="print each group's per-member cache hits")
     args = ap.parse_args(argv)
-    args.prompt_words = max(1, args.prompt_tokens // 3)  # "w1234" is ~3 tokens of the Qwen BPE
 
     import ray
     from transformers import AutoTokenizer
@@ -139,8 +140,8 @@ def main(argv=None) -> int:
     finally:
         ray.shutdown()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {sys.version.split()[0]}; load average "
-          f"{os.getloadavg()[0]:.2f}; {args.engines} engines, groups of {args.group}, ~{args.prompt_tokens}-token "
-          f"prompts, {args.tokens} tokens per sample, {args.rounds} rounds")
+          f"{os.getloadavg()[0]:.2f}; {args.engines} engines, groups of {args.group}, {args.prompt_words}-word prompts "
+          f"(~{args.prompt_words * 4.9:.0f} tokens), {args.tokens} tokens per sample, {args.rounds} rounds")
     print()
     print("| prefix caching | way | prompt tokens computed per group | x one prompt | engines used | wall per group (median) |")
     print("|---|---|---:|---:|---:|---:|")

@@ -6,8 +6,8 @@ A group is formed by a call with ``n > 1`` under ``X-Rollout-Id: R`` (members ``
 the group ``R`` unless ``X-Rollout-Group`` names another) or by calls that each name it in
 ``X-Rollout-Group``. The store keeps each member's last call *under the group* as ``running``,
 ``finished`` or ``failed``; the member's own status (``aborted``, ``stale``) overrides that. A member
-whose first call failed has no stored turn (``failed``, ``turns: 0``); one whose rollout expired or
-was deleted is ``missing``.
+whose first call failed has no stored turn (``failed``, ``turns: 0``); one that finished and whose
+rollout then expired or was deleted is ``missing``.
 """
 
 from __future__ import annotations

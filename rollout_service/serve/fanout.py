@@ -147,7 +147,7 @@ def group_turns(turn: TurnRequest, n: int) -> list[TurnRequest]:
     if len(last) > ROLLOUT_ID_MAX_LEN:
         raise bad_request(f"with n={n} the rollout id may be at most {ROLLOUT_ID_MAX_LEN - len(last) + len(turn.rollout_id)} "
                           f"characters: its members are {turn.rollout_id}/0 ... {last} (at most {ROLLOUT_ID_MAX_LEN})",
-                          param="X-Rollout-Id")
+                          param="X-Rollout-Id", code="invalid_rollout_id")
     group = turn.rollout_group or turn.rollout_id
     return [dataclasses.replace(turn, rollout_id=member_id(turn.rollout_id, j), rollout_group=group, group_together=True,
                                 sampling=child_sampling(turn.sampling, j)) for j in range(n)]

@@ -1,9 +1,10 @@
 """Groups of rollouts on the data plane: what a call under a group records, ``GET /v1/groups/{id}``
 and ``POST /v1/groups/{id}/abort`` (the document: :mod:`rollout_service.onpolicy.groups`).
 
-A mixin of :class:`~rollout_service.serve.turns.TurnRunner` (its store and its abort). A call that
-names a group (``X-Rollout-Group``, or a member of a call with ``n > 1``) records its rollout in the
-group as ``running`` before it generates and ``finished`` or ``failed`` when it ends. These writes
+A mixin of :class:`~rollout_service.serve.turns.TurnRunner` (its store and its abort). The group's
+record holds each member's last call under it: ``running`` (written by the ``n`` call for all its
+members before they start; by an ``X-Rollout-Group`` call beside its generation), then ``finished``
+or ``failed`` when a call that got past admission ends. These writes
 are bookkeeping, not the turn's acknowledgement (the append is): a failed one is logged and the
 call goes on.
 """
