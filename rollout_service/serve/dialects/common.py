@@ -15,7 +15,7 @@ from rollout_service.serve.errors import http_error
 from rollout_service.serve.protocol.openai import ServiceError, bad_request
 from rollout_service.serve.token_texts import LOGPROB_FLOOR
 from rollout_service.serve.turn_types import ToolChoice
-from rollout_service.store.base import ROLLOUT_ID_PATTERN, InvalidRolloutId, validate_rollout_id
+from rollout_service.store.base import ROLLOUT_ID_MAX_LEN, ROLLOUT_ID_PATTERN, InvalidRolloutId, validate_rollout_id
 
 HISTORY_POLICIES = ("fork", "reject")
 IDEMPOTENCY_KEY_MAX_LEN = 255
@@ -42,7 +42,7 @@ class RolloutHeaders:
 # The documented rules of rollout ids and these headers as JSON Schema, for the OpenAPI schema only:
 # the checks themselves are valid_rollout_id and rollout_headers, so a violation is the 400 naming
 # the parameter, not pydantic's message.
-_ROLLOUT_ID_SCHEMA = {"pattern": ROLLOUT_ID_PATTERN}
+_ROLLOUT_ID_SCHEMA = {"pattern": ROLLOUT_ID_PATTERN, "minLength": 1, "maxLength": ROLLOUT_ID_MAX_LEN}
 RolloutIdPath = Annotated[str, Path(json_schema_extra=_ROLLOUT_ID_SCHEMA)]  # /v1/rollouts/{rollout_id}
 
 
