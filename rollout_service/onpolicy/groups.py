@@ -33,6 +33,13 @@ def parse_call_entry(entry: str) -> tuple[str, float | None]:
     return state, (int(ms) / 1000.0 if ms.isdigit() else None)
 
 
+def abort_creates(entry: str) -> bool:
+    """Whether a group abort creates a member that has no stored rollout (``mark(create=True)``): one
+    whose call may still be on its first turn does; one that finished and has gone since (expired,
+    deleted) is not brought back."""
+    return parse_call_entry(entry)[0] != "finished"
+
+
 def member_order(member_id: str) -> tuple:
     """``R/2`` before ``R/10``: members sort by their numeric suffix where they have one."""
     head, _, tail = member_id.rpartition("/")

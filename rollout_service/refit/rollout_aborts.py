@@ -35,7 +35,7 @@ class RolloutAborts:
         import asyncio
 
         from rollout_service.config import StoreConfig
-        from rollout_service.onpolicy.groups import member_order, parse_call_entry
+        from rollout_service.onpolicy.groups import abort_creates, member_order
         from rollout_service.store.redis_store import RedisRolloutStore
 
         store = RedisRolloutStore.from_config(StoreConfig.model_validate(self.store_config()))
@@ -45,7 +45,7 @@ class RolloutAborts:
                 return None
             order = sorted(calls, key=member_order)  # a finished member gone since is not brought back
             results = await asyncio.gather(*(self._abort(store, rid, reason,
-                                                         create=parse_call_entry(calls[rid])[0] != "finished")
+                                                         create=abort_creates(calls[rid]))
                                              for rid in order))
         finally:
             await store.close()

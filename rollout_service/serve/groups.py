@@ -15,7 +15,7 @@ import asyncio
 import logging
 from typing import Any
 
-from rollout_service.onpolicy.groups import call_entry, group_document, member_order, parse_call_entry
+from rollout_service.onpolicy.groups import abort_creates, call_entry, group_document, member_order
 from rollout_service.serve.errors import http_error
 from rollout_service.serve.index_page import render_group_html
 from rollout_service.serve.protocol.openai import ServiceError
@@ -79,11 +79,8 @@ class RolloutGroups:
         calls = await self._group_calls(group_id)
 
         async def abort(rid: str) -> dict[str, Any]:
-            # a member with nothing stored is aborted before its first turn lands; one that finished
-            # and has gone since (expired, deleted) is not brought back
-            started = parse_call_entry(calls[rid])[0] != "finished"
             try:
-                return await self.abort_rollout(rid, reason, create=started)
+                return await self.abort_rollout(rid, reason, create=abort_creates(calls[rid]))
             except ServiceError as exc:
                 if exc.status != 404:
                     raise
