@@ -520,6 +520,20 @@ class RefitConfig(_Strict):
         "calls. An engine without a channel (engine.data_channel: ray), weights staged through the object store "
         "and a failed refit's undo use Ray calls either way.",
     )
+    staging: Literal["overlap", "inside"] = Field(
+        "overlap",
+        description="When the new weights cross to the engines: overlap stages them in every engine's workers (a "
+        "background thread) while the engines keep generating, then pauses only to load them from the staging "
+        "copy, label, commit and resume; inside transfers them inside the pause (every engine idles for the "
+        "whole transfer). A transfer that fails while staging ends the refit with no engine paused. The NCCL "
+        "round (refit.backend nccl, vLLM's weight-transfer engine) loads in place as it receives: inside either way.",
+    )
+    staging_budget_bytes: int | None = Field(
+        None, ge=0,
+        description="The most bytes of new weights an engine may stage ahead (overlap) while it still serves the "
+        "old ones; a refit above it (or one whose staging copy cannot be allocated) stages inside the pause on "
+        "that engine, and its report says so (staging, staging_fallback). None: no limit.",
+    )
     lease_s: float = Field(
         600.0, gt=0,
         description="NCCL path: the trainer holds the engines paused under a lease it renews with every call of the "

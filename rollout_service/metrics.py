@@ -463,8 +463,8 @@ class ServiceMetrics:
             seconds = report.get(f"{phase}_s")
             if seconds is not None:
                 self.series("rollout_service_refit_phase_seconds", phase).record(float(seconds))
-        if report.get("total_s"):
-            self.series("rollout_service_refit_stall_seconds").record(float(report["total_s"]))
+        if report.get("stall_s"):
+            self.series("rollout_service_refit_stall_seconds").record(float(report["stall_s"]))
         if report.get("bytes"):
             self.series("rollout_service_refit_bytes_total").record(int(report["bytes"]))
 

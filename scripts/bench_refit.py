@@ -83,13 +83,19 @@ def bench_one(size: str, root: Path, repeats: int, bucket_bytes: int, transports
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.refit.client import TrainerClient
     from rollout_service.weights.collective import bucket_size, plan_for_state_dict
+    from rollout_service.fleet.fleet import EngineFleet
     from rollout_service.refit.controller import RefitController
 
     mdir = model_dir(size, root)
     weights = load_file(str(mdir / "model.safetensors"))
     nparams = sum(t.numel() for t in weights.values())
-    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(mdir), "max_num_seqs": 8}})
-    ctl = ray.remote(RefitController).options(num_cpus=0, max_concurrency=100).remote(cfg.model_dump())
+    # The transfer inside the pause (refit.staging: inside), as every earlier row of this table:
+    # pause→resume is then the whole refit. scripts/bench_staging.py compares the two modes.
+    cfg = RolloutServiceConfig.model_validate({"engine": {"model": str(mdir), "max_num_seqs": 8},
+                                               "refit": {"staging": "inside"}})
+    # A fleet of its own per model (not the instance's named one, which the next model would reuse).
+    fleet = ray.remote(EngineFleet).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())
+    ctl = ray.remote(RefitController).options(num_cpus=0, max_concurrency=100).remote(cfg.model_dump(), fleet)
     try:
         t0 = time.perf_counter()
         ray.get(ctl.start.remote(), timeout=600)
@@ -160,9 +166,10 @@ def bench_one(size: str, root: Path, repeats: int, bucket_bytes: int, transports
         return out
     finally:
         try:
-            ray.get(ctl.shutdown.remote(), timeout=120)
+            ray.get(fleet.shutdown.remote(), timeout=120)
         finally:
             ray.kill(ctl)
+            ray.kill(fleet)
 
 
 def table(results: list[dict]) -> str:

@@ -15,6 +15,17 @@ from runtime_fixtures import TEST_KV_GIB
 N_ROLLOUTS = 8
 
 
+def controller_config(tiny_model_dir, fleet_overrides: dict | None = None, refit: dict | None = None, **engine_overrides):
+    """The config of :func:`running_controller`'s fleet and controller (``refit``: fields over its
+    refit section, for a test that changes them with ``update_config``)."""
+    from rollout_service.config import RolloutServiceConfig
+
+    return RolloutServiceConfig.model_validate(
+        {"engine": {"model": str(tiny_model_dir), "cpu_kvcache_space_gib": TEST_KV_GIB, **engine_overrides},
+         "refit": {"step_timeout_s": 60, **(refit or {})}, "fleet": fleet_overrides or {}}
+    )
+
+
 @contextlib.contextmanager
 def running_controller(tiny_model_dir, fleet_overrides: dict | None = None, **engine_overrides):
     """A standalone engine fleet and RefitController over it (neither detached nor named, so they
@@ -23,10 +34,7 @@ def running_controller(tiny_model_dir, fleet_overrides: dict | None = None, **en
     from rollout_service.fleet.fleet import EngineFleet
     from rollout_service.refit.controller import RefitController
 
-    cfg = RolloutServiceConfig.model_validate(
-        {"engine": {"model": str(tiny_model_dir), "cpu_kvcache_space_gib": TEST_KV_GIB, **engine_overrides}, "refit": {"step_timeout_s": 60},
-         "fleet": fleet_overrides or {}}
-    )
+    cfg = controller_config(tiny_model_dir, fleet_overrides, **engine_overrides)
     fleet = ray.remote(EngineFleet).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump())
     actor = ray.remote(RefitController).options(num_cpus=0, max_concurrency=1000).remote(cfg.model_dump(), fleet)
     try:

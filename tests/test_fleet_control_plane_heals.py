@@ -263,11 +263,12 @@ REFIT_FAULTS = [
 def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_resumed_on_one_version(
         heal_app, tiny_model_dir, redis_server, tmp_path, control, request):
     """One failure path for every step: a fault injected into one engine of the fleet (the call
-    raises before or after doing its work), or one engine stalled by SIGSTOP during the pause. The
+    raises before or after doing its work), or one engine stalled by SIGSTOP during the refit. The
     refit fails with the step named, every engine ends unpaused on the previous weights and
     version; a fault past the point of no return (commit, resume) leaves the refit committed, every
     engine unpaused on the new version. The next refit and rollouts work. Both ways the controller
-    reaches the engines (refit.control): over their data channels and by Ray calls."""
+    reaches the engines (refit.control): over their data channels with the weights staged ahead of
+    the pause (a failed stage pauses no engine), and by Ray calls with the transfer inside it."""
     from rollout_service.refit.client import TrainerClient
     from rollout_service.refit.controller import controller_name, get_controller
     from rollout_service.refit.types import RefitFailed
@@ -278,8 +279,11 @@ def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_res
     shutil.copy(tiny_model_dir / "model.safetensors", ckpt / "model.safetensors")
     cfg = _config(tiny_model_dir, redis_server)
     controller = get_controller(controller_name(APP))
-    ray.get(controller.update_config.remote(
-        cfg.model_copy(update={"refit": cfg.refit.model_copy(update={"control": control})}).model_dump()), timeout=60)
+    # Over the channels with the weights staged ahead of the pause (the defaults); by Ray calls
+    # with the transfer inside the pause: every fault under both staging modes.
+    staging = "overlap" if control == "channel" else "inside"
+    ray.get(controller.update_config.remote(cfg.model_copy(update={"refit": cfg.refit.model_copy(
+        update={"control": control, "staging": staging})}).model_dump()), timeout=60)
     request.addfinalizer(lambda: ray.get(controller.update_config.remote(cfg.model_dump()), timeout=60))
     trainer = TrainerClient(controller, timeout_s=60)
 
@@ -289,14 +293,22 @@ def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_res
 
     calls_before = control_calls()
 
+    def pauses_by_slot():
+        return {m.slot: ray.get(m.handle.health.remote(), timeout=60)["pauses"]
+                for m in ray.get(fleet.view.remote(), timeout=60).members}
+
     def settled(version):
         states = _engine_states(fleet)
         return {(p, v) for _, p, v in states.values()} == {(False, version)} and len(states) == ENGINES
 
-    for i, (method, when, step) in enumerate([*REFIT_FAULTS, ("SIGSTOP", "during", "pause")]):
+    # A stalled engine: the first call of the refit that reaches it is the stage ahead of the pause
+    # (overlap: the refit fails at its transfer, with no engine paused) or the pause (inside).
+    for i, (method, when, step) in enumerate([*REFIT_FAULTS, ("SIGSTOP", "during",
+                                                              "transfer" if staging == "overlap" else "pause")]):
         version = trainer.stats()["weight_version"]
         sums = sorted(trainer.weights_checksums())
         victim = ray.get(fleet.view.remote(), timeout=60).members[1]
+        pauses = pauses_by_slot()
         pid = None
         if method == "SIGSTOP":
             pid = ray.get(victim.handle.health.remote(), timeout=60)["pid"]
@@ -325,6 +337,10 @@ def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_res
         failed_in = time.monotonic() - t0
         assert report["failed_step"] == step, (method, when, report)
         assert not report["ok"] and report["engines_lost"] == [], (method, report)
+        if step == "transfer" and staging == "overlap":  # staged while generating: no engine was paused
+            assert report["staging"] == "overlap" and report["stall_s"] == 0, report
+            if method != "SIGSTOP":  # (the fleet replaces a stalled engine: a new count)
+                assert pauses_by_slot() == pauses, (pauses, pauses_by_slot())
         # Resumed by the refit's own way out, or (an engine that refused its resume, or one whose
         # pause landed after the refit gave up) by the fleet within fleet.resume_unbracketed_pause_s.
         waited = _wait(lambda: settled(version) and time.monotonic() - t0, 30,
@@ -343,6 +359,38 @@ def test_a_refit_that_fails_on_one_engine_at_any_step_ends_with_every_engine_res
     assert served > 0 if control == "channel" else served <= 0, served
     failures: list = []
     assert asyncio.run(_rollouts(base, "rf", 20, failures)) == 20 and failures == []
+
+
+def test_a_refit_over_the_staging_budget_stages_inside_the_pause_and_status_says_how_it_staged(
+        heal_app, tiny_model_dir, redis_server, tmp_path, request):
+    """refit.staging: overlap stages ahead of the pause; over refit.staging_budget_bytes the
+    engines stage inside it, and the report and GET /v1/status say which, with the stall."""
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.controller import controller_name, get_controller
+
+    base, fleet = heal_app
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(tiny_model_dir / "model.safetensors", ckpt / "model.safetensors")
+    size = (ckpt / "model.safetensors").stat().st_size
+    cfg = _config(tiny_model_dir, redis_server)
+    controller = get_controller(controller_name(APP))
+    request.addfinalizer(lambda: ray.get(controller.update_config.remote(cfg.model_dump()), timeout=60))
+    trainer = TrainerClient(controller, timeout_s=60)
+    for budget, staging in ((size - 1, "inside"), (size, "overlap")):
+        ray.get(controller.update_config.remote(cfg.model_copy(update={"refit": cfg.refit.model_copy(
+            update={"staging_budget_bytes": budget})}).model_dump()), timeout=60)
+        report = trainer.refit(f"budget-{staging}", str(ckpt), transport="path")
+        assert report["ok"] and report["staging"] == staging, report
+        assert report["stall_s"] > 0 and report["total_s"] >= report["stall_s"] + report["stage_s"]
+        if staging == "inside":
+            assert report["staged_bytes"] == 0  # (stage_s: the engines' answer that they would not)
+            assert f"{size} bytes over refit.staging_budget_bytes ({size - 1})" in report["staging_fallback"]
+        else:
+            assert report["staged_bytes"] == size and report["stage_s"] > 0 and report["staging_fallback"] is None
+        last = httpx.get(f"{base}/v1/status", timeout=60).json()["last_refit"]
+        assert last["version"] == f"budget-{staging}" and last["staging"] == staging
+        assert last["stall_s"] == pytest.approx(report["stall_s"]) and last["staged_bytes"] == report["staged_bytes"]
 
 
 def test_a_fleet_killed_for_good_is_created_again_by_the_data_plane_and_adopts_the_engines(heal_app):

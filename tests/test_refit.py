@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+import time
 
 import pytest
 import ray
@@ -215,22 +216,34 @@ async def test_failure_mid_load_rolls_back_the_half_loaded_model(controller, eng
     assert not await engine.is_paused.remote()
 
 
-async def test_concurrent_refit_is_rejected_and_new_requests_wait_for_the_refit(
-    controller, engine, client, tiny_tokenizer, base_weights, tiny_model_dir
+@pytest.mark.parametrize("staging", ["inside", "overlap"])
+async def test_concurrent_refit_is_rejected_and_new_requests_are_served_as_the_staging_mode_says(
+    controller, engine, client, tiny_tokenizer, base_weights, tiny_model_dir, request, staging
 ):
+    """The trainer holds its broadcast after the first bucket. ``inside`` (the transfer inside the
+    pause): a request sent meanwhile waits for the refit and is served wholly by the new weights.
+    ``overlap`` (the default): the engine is not paused while the weights stage, the request is
+    served meanwhile wholly by the old weights, and the pause covers only load, label and resume;
+    a request after the refit is the new weights' to float32 parity. Either way a second refit is
+    refused while one runs."""
     from rollout_service.refit.transports import CheckpointPathTransfer
     from rollout_service.refit.types import RefitInProgress
+    from refit_helpers import controller_config
 
+    await controller.update_config.remote(controller_config(tiny_model_dir, refit={"staging": staging}).model_dump())
+    request.addfinalizer(lambda: ray.get(controller.update_config.remote(controller_config(tiny_model_dir).model_dump())))
+    old = await controller.current_version.remote()
+    new = f"8-{staging}"
     paused_mid_transfer = threading.Event()
     release = threading.Event()
 
     def hold_after_first_bucket(i):
         if i == 0:
             paused_mid_transfer.set()
-            assert release.wait(30)
+            assert release.wait(60)
 
     w8 = perturbed(base_weights, seed=8)
-    refit = asyncio.create_task(asyncio.to_thread(client.refit, "8", w8, on_bucket=hold_after_first_bucket))
+    refit = asyncio.create_task(asyncio.to_thread(client.refit, new, w8, on_bucket=hold_after_first_bucket))
     while not paused_mid_transfer.is_set():
         await asyncio.sleep(0.01)
 
@@ -245,15 +258,36 @@ async def test_concurrent_refit_is_rejected_and_new_requests_wait_for_the_refit(
     late = asyncio.create_task(
         stream_generation(engine, prompt, seed=9, max_tokens=32, ignore_eos=True, on_chunk=arrivals.append)
     )
-    await asyncio.sleep(1.0)
-    assert arrivals == [] and not late.done()  # queued while the engine is paused
-    release.set()
+    try:
+        if staging == "inside":
+            await asyncio.sleep(1.0)
+            assert arrivals == [] and not late.done()  # queued while the engine is paused
+        else:
+            t0 = time.monotonic()
+            ids, lps, last = await asyncio.wait_for(late, 60)  # served while the weights stage
+            served_s = time.monotonic() - t0
+            assert not await engine.is_paused.remote()
+            assert last.weight_versions == [(old, 0, 32)]
+    finally:
+        release.set()
     report = await refit
-    assert report["ok"]
-    ids, lps, last = await late
-    assert last.weight_versions == [("8", 0, 32)]  # served entirely by the new weights
+    assert report["ok"] and report["staging"] == staging and report["requests_aborted"] == 0
+    assert report["stall_s"] <= report["total_s"]
+    if staging == "inside":
+        ids, lps, last = await late
+        assert last.weight_versions == [(new, 0, 32)]  # served entirely by the new weights
+        assert report["stage_s"] == 0 and report["staged_bytes"] == 0
+    else:
+        # The transfer (held by the trainer for the whole generation above) was outside the stall.
+        assert report["staged_bytes"] == report["bytes"] > 0
+        assert report["stage_s"] >= served_s and report["total_s"] >= report["stage_s"] + report["stall_s"]
+        ids, lps, last = await stream_generation(engine, prompt, seed=9, max_tokens=32, ignore_eos=True)
+        assert last.weight_versions == [(new, 0, 32)]
     m8 = hf_model(tiny_model_dir, w8, 8)
-    assert max_abs(lps, hf_sampled_logprobs(m8, prompt, ids)) <= 1e-4
+    worst = max_abs(lps, hf_sampled_logprobs(m8, prompt, ids))
+    print(f"staging {staging}: stage {report['stage_s']:.3f}s stall {report['stall_s']:.3f}s (load "
+          f"{report['load_s']:.3f}s) total {report['total_s']:.3f}s; new weights max|Δ|={worst:.2e}")
+    assert worst <= 1e-4
 
 
 async def test_nccl_round_that_fails_in_the_worker_resumes_engines_and_releases_the_lock(

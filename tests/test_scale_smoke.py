@@ -127,7 +127,9 @@ def test_sixteen_engines_two_hundred_rollouts_a_refit_and_a_kill_with_nothing_lo
         assert done["n"] == ROLLOUTS
         report = events["report"]
         assert report["ok"] and len(report["engines"]) == ENGINES and report["requests_aborted"] == 0
-        assert report["stall_s"] == report["total_s"] > 0 and 0 <= report["control_s"] <= report["stall_s"]
+        # Staged ahead of the pause (refit.staging: overlap): the stall is the load, label and resume.
+        assert report["staging"] == "overlap" and report["staged_bytes"] > 0
+        assert 0 < report["stall_s"] <= report["total_s"] - report["stage_s"] and 0 <= report["control_s"] <= report["stall_s"]
         assert "killed" in events
         assert set().union(*results) <= {"0", "v1"} and any("v1" in v for v in results)
 

@@ -400,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                         "against the trainer's own logprobs before the step, times a per-token weight truncated (tis) "
                         "or masked (mis, icepop); metrics.csv records the share of tokens each would clip or mask")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--staging", choices=("overlap", "inside"), default="overlap",
+                   help="refit.staging of the service this run starts: the new weights staged while the engine "
+                   "generates (overlap) or inside the refit's pause; a running service (--base-url) keeps its own")
     args = p.parse_args(argv)
     if args.temperature is None:
         args.temperature = 0.7 if args.baseline == "raw-logprobs" else 1.0
@@ -453,7 +456,7 @@ def service_for(args, logprobs_mode: str | None = None):
     from rollout_service.ops.runtime import shutdown_local_ray
 
     engine = {"num_engines": 1, **({"logprobs_mode": logprobs_mode} if logprobs_mode else {})}
-    config = RolloutServiceConfig.model_validate({"engine": engine})
+    config = RolloutServiceConfig.model_validate({"engine": engine, "refit": {"staging": args.staging}})
     svc = LocalService(config, port=_free_port(), log=lambda *a: print(*a, flush=True))
     try:
         svc.start()

@@ -13,8 +13,8 @@ the same methods either way.
 
 A mixin of both engine actors (:class:`~rollout_service.engine.replica.EngineReplica` and
 :class:`~rollout_service.engine.simulated.SimulatedEngine`), whose ``pause``, ``resume``,
-``collective_rpc``, ``stage_weights_from_object_store``, ``set_weight_version``, ``num_in_flight``
-and ``num_aborted`` it calls.
+``collective_rpc``, ``stage_weights_from_object_store``, ``object_store_stage``,
+``release_object_store_stage``, ``set_weight_version``, ``num_in_flight`` and ``num_aborted`` it calls.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 STEPS = ("transfer", "load", "label")  # refit_apply's steps, in order (the names a refit report uses)
 STAGE_COLLECTIVE = "rs_stage_collective"  # the worker methods that stage a refit's weights
 STAGE_PATH = "rs_stage_path"
+STAGE_POLL_S = 0.02  # how often refit_stage asks the workers whether a background stage is done
 
 
 def step_error(exc: BaseException) -> str:
@@ -44,18 +45,73 @@ class RefitSteps:
         Over the channel a stage may only name the staging methods (``refit_apply`` runs any worker
         method a stage names: a Ray handle's holder may, a channel token's holder may not)."""
 
-        async def apply_staged(stage: dict[str, Any], *args: Any) -> dict[str, Any]:
+        def check(stage: Any) -> None:
             if not isinstance(stage, dict) or set(stage) - {"rpc", "args"} or stage.get("rpc") not in (STAGE_PATH,
                                                                                                      STAGE_COLLECTIVE):
                 raise ValueError("a refit over the channel stages only through "
                                  f"{STAGE_PATH} or {STAGE_COLLECTIVE}, got {str(stage)[:120]}")
+
+        async def apply_staged(stage: dict[str, Any] | None, *args: Any) -> dict[str, Any]:
+            if stage is not None:  # None: staged already (refit_stage)
+                check(stage)
             return await self.refit_apply(stage, *args)
+
+        async def stage_ahead(stage: dict[str, Any], *args: Any) -> dict[str, Any]:
+            check(stage)
+            return await self.refit_stage(stage, *args)
 
         async def ready() -> bool:
             return True
 
-        return {"refit_ready": ready, "refit_pause": self.refit_pause, "refit_apply": apply_staged,
-                "refit_commit_resume": self.refit_commit_resume}
+        return {"refit_ready": ready, "refit_stage": stage_ahead, "refit_pause": self.refit_pause,
+                "refit_apply": apply_staged, "refit_commit_resume": self.refit_commit_resume}
+
+    async def refit_stage(self, stage: dict[str, Any], timeout: float, budget_bytes: int | None = None,
+                          poll_interval_s: float = STAGE_POLL_S) -> dict[str, Any]:
+        """Stage the new weights while this engine keeps generating (``refit.staging: overlap``):
+        the workers receive them in a background thread (``rs_stage_begin``), polled between the
+        engine's steps until done or ``timeout``. Returns ``ok``, the workers' stage results, its
+        seconds, and ``fallback`` (why this engine stages inside the pause instead: over
+        ``budget_bytes``, or memory ran out) or ``error`` (nothing staged; a stage still running is
+        abandoned). Never raises but for the engine's own death."""
+        out: dict[str, Any] = {"ok": False, "fallback": None, "error": None, "stage": [], "bytes": 0, "seconds": 0.0}
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        method = None
+        try:
+            if "refs" in stage:
+                method, args = await asyncio.wait_for(self.object_store_stage(list(stage["refs"])), timeout)
+            else:
+                method, args = stage["rpc"], list(stage.get("args") or ())
+            began = await asyncio.wait_for(
+                self.collective_rpc("rs_stage_begin", args=(method, args, budget_bytes), timeout=timeout), timeout)
+            out["bytes"] = max((b.get("bytes", 0) for b in began), default=0)
+            fallback = next((b["fallback"] for b in began if not b["started"]), None)
+            while fallback is None:
+                polls = await asyncio.wait_for(
+                    self.collective_rpc("rs_stage_poll", timeout=timeout), max(0.0, deadline - time.monotonic()))
+                if all(p["done"] for p in polls):
+                    fallback = next((p["fallback"] for p in polls if p.get("fallback")), None)
+                    if fallback is None:
+                        out["stage"], out["ok"] = polls, True
+                    break
+                if time.monotonic() > deadline:
+                    raise asyncio.TimeoutError()
+                await asyncio.sleep(poll_interval_s)
+            if fallback is not None:
+                out["fallback"] = fallback
+        except Exception as exc:  # noqa: BLE001 - named and returned: the controller ends the refit
+            out["error"] = step_error(exc)
+        finally:
+            if not out["ok"]:  # nothing half-staged stays behind (nor a thread's late result)
+                try:
+                    await asyncio.wait_for(self.collective_rpc("rs_discard_staged", timeout=timeout), timeout)
+                except Exception:  # noqa: BLE001 - the next refit's stage discards it too
+                    pass
+            if method is not None and "refs" in stage:
+                self.release_object_store_stage(method, args)
+            out["seconds"] = time.perf_counter() - t0
+        return out
 
     async def refit_pause(self, clear_cache: bool = False) -> dict[str, Any]:
         """The counts a refit report carries (taken before the pause), then pause in keep mode."""
@@ -66,7 +122,8 @@ class RefitSteps:
     async def refit_apply(self, stage: dict[str, Any], version: str, load_kwargs: dict | None,
                           timeout: float) -> dict[str, Any]:
         """Stage the new weights (``stage``: ``{"rpc": worker method, "args": [...]}`` or
-        ``{"refs": [state dict ref]}``), load them, label them ``version``. Returns ``ok``, the
+        ``{"refs": [state dict ref]}``; None: staged already by :meth:`refit_stage`), load them,
+        label them ``version``. Returns ``ok``, the
         step reached (``reached``: the last that finished, None if none), on failure the step and
         its error, the stage's and the load's worker results, and each step's seconds. A step's
         failure (its deadline ``timeout`` included) is returned, not raised: the controller rolls
@@ -77,12 +134,15 @@ class RefitSteps:
         step = STEPS[0]
         try:
             t0 = time.perf_counter()
-            if "refs" in stage:
+            if stage is None:  # staged while generating (refit_stage): the load is the first step
+                out["reached"], step = "transfer", "load"
+            elif "refs" in stage:
                 staging = self.stage_weights_from_object_store(list(stage["refs"]), timeout)
             else:
                 staging = self.collective_rpc(stage["rpc"], args=tuple(stage.get("args") or ()), timeout=timeout)
-            out["stage"] = await asyncio.wait_for(staging, timeout)
-            out["seconds"]["transfer"], out["reached"], step = time.perf_counter() - t0, "transfer", "load"
+            if stage is not None:
+                out["stage"] = await asyncio.wait_for(staging, timeout)
+                out["seconds"]["transfer"], out["reached"], step = time.perf_counter() - t0, "transfer", "load"
             t0 = time.perf_counter()
             out["load"] = await asyncio.wait_for(
                 self.collective_rpc("rs_load_staged", kwargs=load_kwargs, timeout=timeout), timeout)

@@ -371,6 +371,18 @@ class EngineReplica(RefitSteps, Scoring):
 
         return await stage_state_dict_ref(self, refs, timeout)
 
+    async def object_store_stage(self, refs: list) -> tuple[str, list]:
+        """The worker staging call (method, args) that reads the state dict ``refs[0]`` (written to
+        a ``/dev/shm`` file here: the worker is not connected to Ray), for ``refit_stage``."""
+        from rollout_service.weights.staging import object_store_stage
+
+        return await object_store_stage(refs)
+
+    def release_object_store_stage(self, method: str, args: list) -> None:
+        from rollout_service.weights.staging import release_object_store_stage
+
+        release_object_store_stage(method, args)
+
     async def export_weights(self, timeout: float | None = None) -> tuple[str, dict[str, Any]]:
         """(version, weights) this engine serves; weights are ``{name: tensor}`` or ``{"path": dir}``.
 

@@ -35,6 +35,7 @@ import math
 import os
 import random
 import struct
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -102,6 +103,8 @@ class SimulatedWorker:
         self.previous: _Weights | None = None
         self.staged: _Weights | None = None
         self.group = None
+        self.job: dict[str, Any] | None = None  # a background stage (rs_stage_begin)
+        self.pending: list = []  # a state dict the actor resolved for it (object_store_stage)
         self.half_loaded = False  # a load failed part-way: the weights are neither old nor new
 
     def rs_weights_checksum(self) -> str:
@@ -146,6 +149,60 @@ class SimulatedWorker:
 
     def rs_discard_staged(self) -> None:
         self.staged = None
+        job, self.job = getattr(self, "job", None), None
+        if job is not None:
+            job["abandoned"] = True
+
+    def rs_stage_begin(self, method: str, args: list, budget_bytes: int | None = None) -> dict[str, Any]:
+        """A stage in a background thread, as the real worker's: ``method`` is one of the staging
+        methods (``sim_object``: the state dict the actor resolved, ``object_store_stage``)."""
+        self.rs_discard_staged()
+        self.previous = None
+        if method == "rs_stage_collective":
+            from rollout_service.weights.collective import BucketPlan
+
+            nbytes = BucketPlan.from_json(args[0]).total_bytes
+        elif method == "rs_stage_path":
+            if not os.path.isdir(args[0]):
+                raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {args[0]}")
+            nbytes = sum(os.path.getsize(os.path.join(args[0], f)) for f in os.listdir(args[0])
+                         if f.endswith(".safetensors"))
+        elif method == "sim_object":
+            nbytes = 0
+        else:
+            raise ValueError(f"cannot stage in the background through {method!r}")
+        if budget_bytes is not None and nbytes > budget_bytes:
+            return {"started": False, "bytes": nbytes,
+                    "fallback": f"{nbytes} bytes over refit.staging_budget_bytes ({budget_bytes})"}
+        work = (lambda: self.stage_object(self.pending.pop())) if method == "sim_object" else (
+            lambda: getattr(self, method)(*args))
+        job: dict[str, Any] = {"done": threading.Event(), "abandoned": False, "result": None, "error": None}
+
+        def run():
+            try:
+                result = work()  # stages into self.staged
+                if job["abandoned"]:
+                    self.staged = None
+                job["result"] = result
+            except BaseException as exc:  # noqa: BLE001 - handed to the poll
+                job["error"] = exc
+            finally:
+                job["done"].set()
+
+        self.job = job
+        threading.Thread(target=run, name="sim-stage", daemon=True).start()
+        return {"started": True, "bytes": nbytes}
+
+    def rs_stage_poll(self) -> dict[str, Any]:
+        job = getattr(self, "job", None)
+        if job is None:
+            raise RuntimeError("no background stage under way (discarded, or never begun)")
+        if not job["done"].is_set():
+            return {"done": False}
+        self.job = None
+        if job["error"] is not None:
+            raise job["error"]
+        return {"done": True, **job["result"]}
 
     def rs_load_staged(self, fail_after_tensors: int | None = None) -> dict[str, Any]:
         if self.staged is None:
@@ -261,6 +318,7 @@ class SimulatedEngine(RefitSteps):
         self._aborted_rollouts: dict[str, float] = {}  # as EngineReplica's: rollout id -> when aborted
         self._num_aborted = 0
         self._paused = False
+        self._num_pauses = 0  # pauses that landed since start (health: a staging failure pauses none)
         self._work = asyncio.Event()
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -550,6 +608,7 @@ class SimulatedEngine(RefitSteps):
             for seq in [*self._waiting, *self._running]:
                 self._finish(seq, "abort")
         self._paused = True
+        self._num_pauses += 1
         self._fault("pause", "after")
         return time.perf_counter() - t0
 
@@ -579,10 +638,12 @@ class SimulatedEngine(RefitSteps):
         fn = getattr(self._worker, method, None) if method.startswith("rs_") else None
         if fn is None:
             raise NotImplementedError(f"the simulated engine has no worker method {method!r}")
-        self._fault(method, "before")
+        # A background stage faults as the staging method it runs (rs_stage_path, ...) would.
+        faulted = args[0] if method == "rs_stage_begin" and args and args[0] in self.FAULTABLE else method
+        self._fault(faulted, "before")
         call = asyncio.to_thread(fn, *args, **(kwargs or {}))
         result = [await (asyncio.wait_for(call, timeout) if timeout else call)]
-        self._fault(method, "after")
+        self._fault(faulted, "after")
         return result
 
     async def reset_prefix_cache(self) -> bool:
@@ -605,6 +666,19 @@ class SimulatedEngine(RefitSteps):
         state = await refs[0]
         return [await asyncio.to_thread(self._worker.stage_object, state)]
 
+    async def object_store_stage(self, refs: list) -> tuple[str, list]:
+        if not refs:
+            raise ValueError("need one object ref of a state dict")
+        self._check_started()
+        state = await refs[0]
+        if isinstance(state, dict) and set(state) == {"path"}:
+            return "rs_stage_path", [state["path"]]
+        self._worker.pending = [state]
+        return "sim_object", []
+
+    def release_object_store_stage(self, method: str, args: list) -> None:
+        self._worker.pending = []
+
     async def export_weights(self, timeout: float | None = None) -> tuple[str, dict[str, Any]]:
         self._check_started()
         return self._version, self._worker.export()
@@ -615,6 +689,7 @@ class SimulatedEngine(RefitSteps):
             "index": self.index,
             "ready": True,
             "paused": self._paused,
+            "pauses": self._num_pauses,
             "weight_version": self._version,
             "in_flight": len(self._by_id),
             "startup_s": self._startup_s,

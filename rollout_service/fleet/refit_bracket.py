@@ -22,7 +22,7 @@ from typing import Any
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.fleet.current_weights import WeightsRecord
 from rollout_service.fleet.health import SERVING, EngineState
-from rollout_service.fleet.types import FleetView, Member
+from rollout_service.fleet.types import REFIT_TIMINGS, FleetView, Member
 
 logger = logging.getLogger("rollout_service.fleet.fleet")
 
@@ -56,15 +56,17 @@ class RefitBracket:
         await self._persist()  # a restarted fleet keeps the bracket (and so does not resume a paused load)
         return self._view()
 
-    async def end_refit(self, version: str | None = None, path: str | None = None) -> FleetView:
+    async def end_refit(self, version: str | None = None, path: str | None = None,
+                        timings: dict[str, Any] | None = None) -> FleetView:
         """End the bracket. ``version``: the refit committed it on every member (``path``: the
-        checkpoint directory it came from, if any); None: nothing changed."""
+        checkpoint directory it came from, if any); None: nothing changed. ``timings``: the refit
+        report's staging and stall fields (:data:`REFIT_TIMINGS`), shown in ``last_refit``."""
         await self._adopt_inherited_engines()
         before = self.health.epoch
         if version is not None and version != self.health.current_version:
             self.weights = WeightsRecord(version=version, path=path)
         if self.health.refitting:
-            self._record_refit_end(version)
+            self._record_refit_end(version, timings)
         self.health.end_refit(version)
         await self._persist()  # the committed version, read back by a restarted fleet
         if self.weights.path is None and self.weights.ref is None and self.config.fleet.keep_weights_copy:
@@ -72,7 +74,7 @@ class RefitBracket:
         await self._publish(before)
         return self._view()
 
-    def _record_refit_end(self, version: str | None) -> None:
+    def _record_refit_end(self, version: str | None, timings: dict[str, Any] | None = None) -> None:
         """``committed`` (the bracket ended on a new version) or ``not_committed`` (the refit failed or
         was abandoned: nothing changed); ``lease_expired`` when the fleet ended it for a lost controller."""
         last = self._last_refit or {"from_version": None, "started_at": None}
@@ -82,7 +84,8 @@ class RefitBracket:
         self._refits["committed" if version is not None else "not_committed"] += 1
         started = last.get("started_at")
         self._last_refit = {**last, "outcome": outcome, "version": version, "ended_at": now,
-                            "duration_s": round(now - started, 3) if started else None}
+                            "duration_s": round(now - started, 3) if started else None,
+                            **{k: (timings or {}).get(k) for k in REFIT_TIMINGS}}
 
     async def _end_bracket_past_its_lease(self) -> None:
         """The monitor's check: a bracket its controller did not end within the lease is ended here."""

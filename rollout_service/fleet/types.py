@@ -61,6 +61,11 @@ class FleetView:
         return [m.handle for m in self.members]
 
 
+# The refit report's fields a refit bracket's end carries into the fleet's ``last_refit``
+# (``GET /v1/status``): how the weights were staged, and how long the engines stalled.
+REFIT_TIMINGS = ("staging", "staging_fallback", "staged_bytes", "stage_s", "stall_s", "total_s")
+
+
 class NoEngineAvailable(RuntimeError):
     """No engine is serving right now (all dead, replacing, or stale); the fleet is healing."""
 

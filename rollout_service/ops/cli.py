@@ -96,6 +96,8 @@ def format_status(status: dict, url: str) -> str:
         when = last.get("ended_at") or last.get("started_at")
         at = datetime.datetime.fromtimestamp(when).isoformat(sep=" ", timespec="seconds") if when else "-"
         took = f", {last['duration_s']:.2f} s" if last.get("duration_s") is not None else ""
+        if last.get("stall_s") is not None:
+            took += f" (staged {last.get('staging')}, engines stalled {1e3 * last['stall_s']:.0f} ms)"
         lines.append(f"last refit: {last.get('outcome')} {cell(last.get('from_version'))} -> "
                      f"{cell(last.get('version'))} at {at}{took} ({tally} since the fleet started)")
     else:

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.fleet.types import FleetView, Member, actor_identity, is_actor_dead
+from rollout_service.fleet.types import REFIT_TIMINGS, FleetView, Member, actor_identity, is_actor_dead
 from rollout_service.metrics import get_metrics
 from rollout_service.refit.abandoned_refit import AbandonedRefitRecovery
 from rollout_service.refit.control import EngineControl
@@ -215,7 +215,8 @@ class RefitController(ThreePhaseRefit, WeightSyncGroups, NcclRounds, AbandonedRe
         timeout_s: float | None = None,
         fail_load_after_tensors: int | None = None,
     ) -> dict[str, Any]:
-        """Pause (keep) -> stage -> load -> label -> commit -> resume every engine; returns the report.
+        """Stage (``refit.staging: overlap``, while the engines generate) -> pause (keep) -> load ->
+        label -> commit -> resume every engine (``inside``: the stage after the pause); returns the report.
 
         ``transfer`` is a strategy from :mod:`rollout_service.refit.transports`. ``clear_cache``
         (default: config, False) drops the KV cache and recomputes in-flight requests with the new
@@ -235,6 +236,7 @@ class RefitController(ThreePhaseRefit, WeightSyncGroups, NcclRounds, AbandonedRe
             kind = getattr(transfer, "kind", None)
             view = await self.fleet.begin_refit.remote(lease_s=refit_lease_s(timeout))
             committed = None
+            report = None
             try:
                 if kind == "collective":
                     self._check_weight_sync(view)
@@ -255,7 +257,8 @@ class RefitController(ThreePhaseRefit, WeightSyncGroups, NcclRounds, AbandonedRe
                 get_metrics().refit("failed")
                 raise
             finally:
-                await self._end_bracket(committed, getattr(transfer, "path", None) if kind == "path" else None, timeout)
+                await self._end_bracket(committed, getattr(transfer, "path", None) if kind == "path" else None, timeout,
+                                        report.to_dict() if report is not None else None)
             self._last_report = report.to_dict()
             get_metrics().refit("ok" if report.ok else "failed", self._last_report)
             if not report.ok:
@@ -272,14 +275,17 @@ class RefitController(ThreePhaseRefit, WeightSyncGroups, NcclRounds, AbandonedRe
             self._num_refits += 1
             return self._last_report
 
-    async def _end_bracket(self, committed: str | None, path: str | None, timeout: float) -> None:
-        """Tell the fleet the refit is over (and what it committed). A fleet that is restarting
+    async def _end_bracket(self, committed: str | None, path: str | None, timeout: float,
+                           report: dict[str, Any] | None = None) -> None:
+        """Tell the fleet the refit is over (what it committed, and the report's staging and stall
+        times for ``GET /v1/status``). A fleet that is restarting
         (killed mid-refit) is asked again until it answers, for at most ``timeout``: its durable
         record must not keep a bracket and a version that are no longer true."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                await asyncio.wait_for(self.fleet.end_refit.remote(committed, path), timeout)
+                timings = {k: report.get(k) for k in REFIT_TIMINGS} if report else None
+                await asyncio.wait_for(self.fleet.end_refit.remote(committed, path, timings), timeout)
                 return
             except Exception as exc:
                 if time.monotonic() > deadline:

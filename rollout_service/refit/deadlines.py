@@ -21,13 +21,21 @@ def apply_deadline_s(step_timeout_s: float) -> float:
     return len(APPLY_STEPS) * step_timeout_s + APPLY_MARGIN_S
 
 
+def stage_deadline_s(step_timeout_s: float) -> float:
+    """An engine's stage ahead of the pause (``refit.staging: overlap``): one step, plus a margin."""
+    return step_timeout_s + APPLY_MARGIN_S
+
+
 def refit_lease_s(step_timeout_s: float) -> float:
     """The longest a refit's bracket can stay open with its controller alive: the lease the controller
     asks of the fleet (a bracket still open after it was left by a dead controller; the fleet ends
-    it), **14 T + 30 s**. The steps, in the order they run, each fan-out concurrent over the
+    it), **16 T + 35 s**. The steps, in the order they run, each fan-out concurrent over the
     engines, each wait under its deadline (``T``: the step timeout):
 
-    - the control connections checked (``min(T, 10 s)``, counted ``T``), the pause ``T``;
+    - the control connections checked (``min(T, 10 s)``, counted ``T``);
+    - the stage ahead of the pause (``refit.staging: overlap``), ``T + 5 s``
+      (:func:`stage_deadline_s`), then the reports to the fleet of the engines it found dead, ``T``;
+    - the pause ``T``;
     - the apply, ``3 T + 5 s`` (:func:`apply_deadline_s`), then the reports to the fleet of the
       engines it found dead, ``T``;
     - the failure path (a step failed, an engine died or did not answer): the roll-back and the
@@ -39,9 +47,9 @@ def refit_lease_s(step_timeout_s: float) -> float:
       last attempt under ``T``): ``2 T``;
     - 25 s of slack for the controller's own work between calls.
 
-    ``2 T + (4 T + 5 s) + 6 T + 2 T + 25 s``."""
+    ``2 T + (2 T + 5 s) + (4 T + 5 s) + 6 T + 2 T + 25 s`` = ``16 T + 35 s``."""
     t = step_timeout_s
-    before_apply = t + t
+    before_apply = t + (stage_deadline_s(t) + t) + t
     apply = apply_deadline_s(t) + t
     after_apply = max(2 * t + t + t + t + t,  # the failure path
                       2 * t + t + t)  # past the commit

@@ -230,7 +230,7 @@ class NcclRounds:
                                    for e in engines], return_exceptions=True)
             if report is not None:
                 report.resume_s += time.perf_counter() - t0
-                report.total_s = time.perf_counter() - round_["t_start"]
+                report.total_s = report.stall_s = time.perf_counter() - round_["t_start"]
         finally:
             try:
                 await asyncio.wait_for(self.fleet.end_refit.remote(committed, None), self.config.refit.step_timeout_s)

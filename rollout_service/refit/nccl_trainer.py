@@ -42,10 +42,11 @@ class NcclTrainer:
         self._nccl_source.params = params
         self._nccl_client.version = version
         self._nccl.send_weights()  # start_weight_update -> update_weights || broadcast -> finish
+        seconds = time.perf_counter() - t0
         return RefitReport(
             version=version, previous_version=previous, transport="nccl", ok=True,
             bytes=sum(t.numel() * t.element_size() for t in params.values()), num_tensors=len(params),
-            total_s=time.perf_counter() - t0,
+            total_s=seconds, stall_s=seconds,
         ).to_dict()
 
 

@@ -3,10 +3,13 @@
 record and config it uses (the controller brackets the refit on the fleet around it).
 
 Three fan-outs, one engine call each (:mod:`rollout_service.engine.refit_steps`), over the engines'
-data channels or by Ray calls (:mod:`rollout_service.refit.control`):
+data channels or by Ray calls (:mod:`rollout_service.refit.control`), after a fourth under
+``refit.staging: overlap`` (the default):
 
+0. **stage ahead**: every engine receives the new weights in a background thread of its workers
+   while it keeps generating (:meth:`ThreePhaseRefit._stage_ahead`); a failure here pauses nothing;
 1. **pause** (keep: in-flight requests are frozen, none aborted), with the in-flight and aborted counts;
-2. **apply**: stage the new state dict through the transfer, load it in place, label the version,
+2. **apply**: stage the new state dict through the transfer (unless staged ahead), load it in place, label the version,
    each step under its own deadline; an engine names the step that failed;
 3. **commit + resume**: release the backup of the previous weights, then resume. No engine resumes
    before every engine is loaded and labelled; from there the refit rolls forward.
@@ -28,7 +31,7 @@ from typing import Any
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.engine.refit_steps import STEPS as APPLY_STEPS
 from rollout_service.fleet.types import FleetView, Member, is_actor_dead, is_engine_death
-from rollout_service.refit.deadlines import apply_deadline_s
+from rollout_service.refit.deadlines import apply_deadline_s, stage_deadline_s
 from rollout_service.refit.transports import bytes_of
 from rollout_service.refit.types import RefitReport, short_error
 
@@ -63,7 +66,15 @@ class ThreePhaseRefit:
         aborted_after: int | None = None
         await self._control.prepare(view.members, timeout)
         t_start = time.perf_counter()
+        t_pause: float | None = None
+        stage = transfer.engine_stage()
+        staged: set[int] = set()  # slots that staged ahead (overlap): their apply only loads and labels
         try:
+            if self.config.refit.staging == "overlap":
+                step = "transfer"
+                staged = await self._stage_ahead(view, transfer, stage, timeout, report)
+                step = "pause"
+
             async def pause(m: Member):
                 # Recorded before the call: a pause that times out or fails half-way may still land,
                 # and every engine asked to pause is resumed on the way out (resume is idempotent).
@@ -72,7 +83,7 @@ class ThreePhaseRefit:
                 aborted_before[id(m.handle)] = counts["aborted"]
                 return counts
 
-            t0 = time.perf_counter()
+            t0 = t_pause = time.perf_counter()
             counts = await asyncio.wait_for(asyncio.gather(*[pause(m) for m in view.members]), timeout)
             report.pause_s = time.perf_counter() - t0
             report.requests_in_flight = sum(c["in_flight"] for c in counts)
@@ -80,12 +91,14 @@ class ThreePhaseRefit:
             step, applying = "transfer", True
             t0 = time.perf_counter()
             kwargs = {"fail_after_tensors": fail_load_after_tensors} if fail_load_after_tensors is not None else None
-            stage = transfer.engine_stage()
+
+            def apply(m: Member):
+                ahead = m.slot in staged
+                return self._control.call(m, "refit_apply", None if ahead else stage, version, kwargs, timeout,
+                                          ray_only=not ahead and "refs" in stage)  # refs cannot cross the channel
+
             applied = await asyncio.gather(
-                *[asyncio.wait_for(self._control.call(m, "refit_apply", stage, version, kwargs, timeout,
-                                                      ray_only="refs" in stage),  # refs cannot cross the channel
-                                   apply_deadline_s(timeout)) for m in view.members],
-                return_exceptions=True)
+                *[asyncio.wait_for(apply(m), apply_deadline_s(timeout)) for m in view.members], return_exceptions=True)
             apply_s = time.perf_counter() - t0
             done = [a for a in applied if not isinstance(a, BaseException)]
             for m, a in zip(view.members, applied):
@@ -94,11 +107,15 @@ class ThreePhaseRefit:
             # Nothing to undo on an engine that died: the fleet replaces it on the current version.
             await self._report_lost([(m, a) for m, a in zip(view.members, applied)
                                      if isinstance(a, BaseException) and is_engine_death(a)], timeout, report)
-            report.bytes, report.worker_receive_s = bytes_of([a["stage"] for a in done])
+            inside_s = max((a["seconds"].get("transfer", 0.0) for a in done), default=0.0)  # staged in the pause
+            if len(staged) < len(view.members):  # some or all staged inside the pause
+                inside_bytes, inside_receive_s = bytes_of([a["stage"] for a in done])
+                report.bytes = max(report.bytes, inside_bytes)
+                report.worker_receive_s = max(report.worker_receive_s, inside_receive_s)
+                report.transfer_s = max(report.transfer_s, inside_s)
             report.worker_timings = [w for a in done for w in a["load"] if w]
-            report.transfer_s = max((a["seconds"].get("transfer", 0.0) for a in done), default=0.0)
             report.load_s = max((a["seconds"].get("load", 0.0) for a in done), default=0.0)
-            label_s = max(0.0, apply_s - report.transfer_s - report.load_s)
+            label_s = max(0.0, apply_s - inside_s - report.load_s)
             failed = [a for a in applied if isinstance(a, BaseException) or not a["ok"]]
             if failed:
                 first = min(failed, key=lambda a: 0 if isinstance(a, BaseException) else APPLY_STEPS.index(a["step"]))
@@ -135,6 +152,7 @@ class ThreePhaseRefit:
             if left:
                 await self._resume(left, timeout, report)
             report.total_s = time.perf_counter() - t_start
+            report.stall_s = time.perf_counter() - t_pause if t_pause is not None else 0.0
         if aborted_after is None:  # a failure path: counted again on the engines counted before
             aborted_after = await self._sum([e for e in engines if id(e) in aborted_before], "num_aborted", timeout)
         report.requests_aborted = max(0, aborted_after - sum(aborted_before.values()))
@@ -143,6 +161,43 @@ class ThreePhaseRefit:
             report.error = "; ".join(filter(None, [f"engine slot(s) {lost} died during the refit (the fleet replaces them)",
                                                    report.error]))
         return report
+
+    async def _stage_ahead(self, view: FleetView, transfer, stage: dict[str, Any], timeout: float,
+                           report: RefitReport) -> set[int]:
+        """``refit.staging: overlap``: every engine stages the new weights while it generates
+        (``refit_stage``, under one step's deadline). Returns the slots that staged; an engine
+        over ``refit.staging_budget_bytes``, or whose staging copy could not be allocated, stages
+        inside the pause instead (``report.staging_fallback``). A collective transfer over budget
+        stages inside on every engine (every worker of the group must receive the same broadcast
+        at once). Raises :class:`_StepFailed` (step ``transfer``) when any engine failed to stage:
+        no engine was paused, and the failure path drops what the others staged."""
+        report.staging = "overlap"
+        budget = self.config.refit.staging_budget_bytes
+        total = getattr(transfer, "total_bytes", None)
+        if getattr(transfer, "kind", None) == "collective" and budget is not None and total is not None and total > budget:
+            report.staging, report.staging_fallback = "inside", f"{total} bytes over refit.staging_budget_bytes ({budget})"
+            return set()
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *[asyncio.wait_for(self._control.call(m, "refit_stage", stage, timeout, budget, ray_only="refs" in stage),
+                               stage_deadline_s(timeout)) for m in view.members],
+            return_exceptions=True)
+        report.stage_s = report.transfer_s = time.perf_counter() - t0
+        await self._report_lost([(m, r) for m, r in zip(view.members, results)
+                                 if isinstance(r, BaseException) and is_engine_death(r)], timeout, report)
+        failed = [(m, r) for m, r in zip(view.members, results) if isinstance(r, BaseException) or r["error"]]
+        if failed:
+            m, r = failed[0]
+            raise r if isinstance(r, BaseException) else _StepFailed(f"engine slot {m.slot} while staging: {r['error']}")
+        staged = {m.slot for m, r in zip(view.members, results) if r["ok"]}
+        fallbacks = [f"engine slot {m.slot}: {r['fallback']}" for m, r in zip(view.members, results) if r["fallback"]]
+        if fallbacks:
+            report.staging_fallback = "; ".join(fallbacks)[:600]
+        done = [r for r in results if r["ok"]]
+        report.bytes, report.worker_receive_s = bytes_of([r["stage"] for r in done])
+        report.staged_bytes = report.bytes
+        report.staging = "overlap" if len(staged) == len(view.members) else ("mixed" if staged else "inside")
+        return staged
 
     async def _report_lost(self, lost: list[tuple[Member, BaseException]], timeout: float, report) -> None:
         """The engines that died during a phase, reported to the fleet all at once (``T`` in all:

@@ -18,13 +18,18 @@ class RefitReport:
     ok: bool = False
     bytes: int = 0  # bytes of the state dict each engine received
     num_tensors: int | None = None
+    staging: str = "inside"  # overlap: staged while the engines generated; inside: within the pause; mixed
+    staging_fallback: str | None = None  # why an engine staged inside when overlap was configured
+    staged_bytes: int = 0  # bytes of new weights each engine held staged beside the serving ones (overlap)
+    stage_s: float = 0.0  # overlap: staging in every engine while they generate (outside the stall)
     pause_s: float = 0.0  # pause(keep) on every engine
-    transfer_s: float = 0.0  # stage the new state dict in every worker (model untouched)
+    transfer_s: float = 0.0  # stage the new state dict in every worker (model untouched; overlap: = stage_s)
     worker_receive_s: float = 0.0  # of which: the slowest worker's own receive / read
     trainer_send_s: float | None = None  # collective: trainer's handshake done -> END sent (the bytes' time on the wire)
     load_s: float = 0.0  # in-place reload_weights in every worker
     resume_s: float = 0.0  # label + commit + resume
-    total_s: float = 0.0  # pause start -> resume done (the engines' stall)
+    stall_s: float = 0.0  # pause start -> resume done (the engines' stall)
+    total_s: float = 0.0  # the whole refit: first stage (overlap) or pause (inside) -> resume done
     clear_cache: bool = False
     requests_in_flight: int = 0  # requests frozen by the pause and kept (mode="keep")
     requests_aborted: int = 0  # must be 0
@@ -41,17 +46,14 @@ class RefitReport:
         return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else float("nan")
 
     @property
-    def stall_s(self) -> float:
-        """The engines' stall: pause start to resume done (``total_s``)."""
-        return self.total_s
-
-    @property
     def control_s(self) -> float:
-        """The stall less the weights' own time (transfer and load): the control fan-out's cost."""
-        return max(0.0, self.total_s - self.transfer_s - self.load_s)
+        """The stall less the weights' own time inside it (transfer if inside, load): the control
+        fan-out's cost."""
+        inside = 0.0 if self.staging == "overlap" else self.transfer_s
+        return max(0.0, self.stall_s - inside - self.load_s)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "stall_s": self.stall_s, "control_s": self.control_s}
+        return {**asdict(self), "control_s": self.control_s}
 
 
 class RefitInProgress(RuntimeError):

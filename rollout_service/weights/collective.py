@@ -10,7 +10,8 @@ helpers use, minus the vLLM import.
 A refit is one handshake header, the buckets, and one trailer header, all broadcasts. Every
 worker posts the receives of all three (the plan says how many buckets and their sizes) before
 the trainer starts, so the buckets flow back to back with no per-bucket round trip. The handshake
-``[START, n]`` completes only once every worker is receiving (i.e. paused). The trailer ``[END, n]``
+``[START, n]`` completes only once every worker is receiving (staging in the background while
+its engine generates, or inside the refit's pause). The trailer ``[END, n]``
 commits the transfer; ``[ABORT, k]`` means the trainer gave up after ``k`` buckets (the rest of the
 buckets were sent as filler to keep every rank in step): every receiver drops what it got and
 raises :class:`TransferAborted`, so no engine loads a partial state dict.
@@ -336,6 +337,19 @@ def _complete_with_filler(group: GlooGroup, plan: BucketPlan, works: list) -> No
             pass
 
 
+def allocate_receive_buffers(plan: BucketPlan, spare: list | None = None) -> list:
+    """One uint8 buffer per bucket, ``spare`` ones reused where their size fits (no receive is
+    posted: a failed allocation leaves the group in step)."""
+    import torch
+
+    out = []
+    for i, bucket in enumerate(plan.buckets):
+        size = bucket_size(bucket)
+        reuse = spare[i] if spare is not None and i < len(spare) else None
+        out.append(reuse if reuse is not None and reuse.numel() == size else torch.empty(size, dtype=torch.uint8))
+    return out
+
+
 def receive_buckets(group: GlooGroup, plan: BucketPlan, buffers: list | None = None) -> tuple[list[tuple[str, Any]], list]:
     """Worker side: (name, tensor) pairs as views into the received buffers (no extra copy), and
     the buffers. ``buffers`` (one per bucket, right sizes) are reused instead of allocating.
@@ -347,13 +361,9 @@ def receive_buckets(group: GlooGroup, plan: BucketPlan, buffers: list | None = N
     import torch
 
     n = len(plan.buckets)
+    received = allocate_receive_buffers(plan, buffers)  # before any receive is posted
     header = torch.empty(2, dtype=torch.int64)
     header_work = group.broadcast_async(header)
-    received = []
-    for i, bucket in enumerate(plan.buckets):
-        size = bucket_size(bucket)
-        reuse = buffers[i] if buffers is not None and i < len(buffers) else None
-        received.append(reuse if reuse is not None and reuse.numel() == size else torch.empty(size, dtype=torch.uint8))
     data_works = [group.broadcast_async(buf) for buf in received]
     trailer = torch.empty(2, dtype=torch.int64)
     trailer_work = group.broadcast_async(trailer)

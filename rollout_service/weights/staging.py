@@ -89,6 +89,34 @@ async def stage_state_dict_ref(replica, refs: list, timeout_s: float | None) -> 
             os.unlink(path)
 
 
+async def object_store_stage(refs: list) -> tuple[str, list]:
+    """Runs in the engine actor, for a stage in the background of its workers: resolve ``refs[0]``
+    and name the worker staging call that reads it (``{"path": dir}``: that directory; a state
+    dict: written to a ``/dev/shm`` file the worker reads and deletes, or
+    :func:`release_object_store_stage` does)."""
+    if not refs:
+        raise ValueError("need one object ref of a state dict")
+    state_dict = await refs[0]
+    if isinstance(state_dict, dict) and set(state_dict) == {"path"}:
+        return "rs_stage_path", [state_dict["path"]]
+    path = _shm_path("stage")
+    try:
+        await asyncio.to_thread(write_safetensors, state_dict, path)
+    except BaseException:
+        release_object_store_stage(STAGE_FILE, [path])
+        raise
+    return STAGE_FILE, [path, True]
+
+
+def release_object_store_stage(method: str, args: list) -> None:
+    """The file :func:`object_store_stage` wrote, if the worker has not read (and deleted) it."""
+    if method == STAGE_FILE and args and os.path.exists(args[0]):
+        try:
+            os.unlink(args[0])
+        except FileNotFoundError:
+            pass
+
+
 async def export_current_weights(replica, timeout_s: float | None) -> dict[str, Any]:
     """Runs in the engine actor: the weights its workers currently serve, as a checkpoint-format
     ``{name: tensor}`` dict (received tensors) or ``{"path": dir}`` (a checkpoint directory)."""

@@ -28,14 +28,19 @@ import os
 import time
 from typing import Any
 
+# The staging methods of this class that a background stage (rs_stage_begin) runs the work of.
+STAGE_COLLECTIVE_METHOD = "rs_stage_collective"
+STAGE_PATH_METHOD = "rs_stage_path"
+STAGE_FILE_METHOD = "rs_stage_safetensors_file"
+
 
 class _Source:
     """Where the weights came from: a checkpoint directory, or checkpoint-format tensors in memory."""
 
     def __init__(self, *, path: str | None = None, tensors: list[tuple[str, Any]] | None = None, buffers=None):
-        assert (path is None) != (tensors is None)
+        assert path is not None or tensors is not None
         self.path = path
-        self.tensors = tensors
+        self.tensors = tensors  # with a path too: that checkpoint read ahead (a staged refit)
         self.buffers = buffers  # receive buffers the tensors are views of (reused once dropped)
 
     @property
@@ -46,6 +51,10 @@ class _Source:
 
     def describe(self) -> str:
         return f"path {self.path}" if self.path else f"{len(self.tensors)} tensors in memory"
+
+    def settled(self) -> "_Source":
+        """Once loaded: a checkpoint read ahead is again just its path (the memory is released)."""
+        return _Source(path=self.path) if self.path is not None and self.tensors is not None else self
 
 
 class _InjectedLoadFault(RuntimeError):
@@ -155,46 +164,108 @@ class RolloutWorkerExtension:
             self._rs_spare = source.buffers
     def rs_stage_collective(self, plan_json: str) -> dict[str, Any]:
         """Receive every bucket of the broadcast; the model is not touched."""
-        from rollout_service.weights.collective import BucketPlan, receive_buckets
-
         self._rs_new_round()
+        self.rs_discard_staged()
+        receive = self._rs_collective_receiver(plan_json)
+        t0 = time.perf_counter()
+        self._rs_staged = receive()
+        return {"bytes": self._rs_staged.nbytes, "seconds": time.perf_counter() - t0}
+
+    def _rs_collective_receiver(self, plan_json: str):
+        """What receives the broadcast (``() -> _Source``), its buffers allocated here, before any
+        receive is posted: an allocation that fails leaves the group in step."""
+        from rollout_service.weights.collective import BucketPlan, allocate_receive_buffers, receive_buckets
+
         group = getattr(self, "_rs_group", None)
         if group is None:
             raise RuntimeError("no weight-sync group: call init_weight_sync first")
-        self._rs_drop(self._rs_staged)
-        self._rs_staged = None
+        plan = BucketPlan.from_json(plan_json)
         spare, self._rs_spare = self._rs_spare, None
-        t0 = time.perf_counter()
-        tensors, buffers = receive_buckets(group, BucketPlan.from_json(plan_json), spare)
-        self._rs_staged = _Source(tensors=tensors, buffers=buffers)
-        return {"bytes": self._rs_staged.nbytes, "seconds": time.perf_counter() - t0}
+        try:
+            buffers = allocate_receive_buffers(plan, spare)
+        except (MemoryError, RuntimeError) as exc:
+            raise StagingFallback(f"receive buffers of {plan.total_bytes} bytes not allocated: {exc}") from exc
+
+        def receive() -> _Source:
+            tensors, received = receive_buckets(group, plan, buffers)
+            return _Source(tensors=tensors, buffers=received)
+
+        return receive
 
     def rs_stage_safetensors_file(self, path: str, delete: bool = True) -> dict[str, Any]:
         """Read a safetensors file the engine actor wrote (object-store transport) into memory."""
-        from safetensors.torch import load_file
-
         self._rs_new_round()
-        self._rs_staged = None
+        self.rs_discard_staged()
         t0 = time.perf_counter()
-        try:
-            tensors = list(load_file(path).items())
-        finally:
-            if delete:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-        self._rs_staged = _Source(tensors=tensors)
+        self._rs_staged = _read_file(path, delete)
         return {"bytes": self._rs_staged.nbytes, "seconds": time.perf_counter() - t0}
 
-    def rs_stage_path(self, path: str) -> dict[str, Any]:
-        """Checkpoint-directory transport: nothing to receive, the load reads the files."""
+    # ------------------------------------------------ staging while the engine generates
+    # vLLM's engine core runs a collective_rpc between two scheduler steps, in its own loop: a stage
+    # that blocks in it (a broadcast waiting on the trainer, a file read) stalls every request of
+    # the engine as a pause would. So an overlapped stage runs in a thread of the worker: begin
+    # starts it and returns; poll (a short call between steps) says whether it is done and, once
+    # it is, makes what it received the staged source. The model is not touched until the refit
+    # pauses and loads it (rs_load_staged).
+    def rs_stage_begin(self, method: str, args: list, budget_bytes: int | None = None) -> dict[str, Any]:
+        """Start staging as ``method(*args)`` would (a staging method of this class), in a thread.
+        Returns ``{"started": True, "bytes": n}``, or ``{"started": False, "fallback": why}`` when
+        a second copy of ``n`` bytes is over ``budget_bytes`` (the refit stages this engine inside
+        its pause instead, as ``method`` itself does)."""
+        import threading
+
         self._rs_new_round()
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {path}")
-        nbytes = sum(
-            os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors")
-        )
+        self.rs_discard_staged()
+        if method == STAGE_COLLECTIVE_METHOD:
+            from rollout_service.weights.collective import BucketPlan
+
+            nbytes = BucketPlan.from_json(args[0]).total_bytes
+        elif method == STAGE_PATH_METHOD:
+            nbytes = _checkpoint_bytes(args[0])
+        elif method == STAGE_FILE_METHOD:
+            nbytes = os.path.getsize(args[0])
+        else:
+            raise ValueError(f"cannot stage in the background through {method!r}")
+        if budget_bytes is not None and nbytes > budget_bytes:
+            return {"started": False, "bytes": nbytes,
+                    "fallback": f"{nbytes} bytes over refit.staging_budget_bytes ({budget_bytes})"}
+        if method == STAGE_COLLECTIVE_METHOD:
+            try:
+                work = self._rs_collective_receiver(args[0])
+            except StagingFallback as exc:
+                return {"started": False, "bytes": nbytes, "fallback": str(exc)}
+        elif method == STAGE_PATH_METHOD:
+            work = lambda: _read_checkpoint(args[0])  # noqa: E731
+        else:
+            work = lambda: _read_file(args[0], bool(args[1]) if len(args) > 1 else True)  # noqa: E731
+        job = _StageJob(work)
+        self._rs_job = job
+        threading.Thread(target=job.run, name="rs-stage", daemon=True).start()
+        return {"started": True, "bytes": nbytes}
+
+    def rs_stage_poll(self) -> dict[str, Any]:
+        """``{"done": False}`` while the background stage runs; once it ended, ``{"done": True,
+        "bytes", "seconds"}`` with its result staged, or its error raised (nothing staged), or
+        ``{"done": True, "fallback": why}`` (memory ran out: the refit stages this engine inside
+        its pause)."""
+        job = getattr(self, "_rs_job", None)
+        if job is None:
+            raise RuntimeError("no background stage under way (discarded, or never begun)")
+        if not job.finished.is_set():
+            return {"done": False}
+        self._rs_job = None
+        if isinstance(job.error, (MemoryError, StagingFallback)):
+            return {"done": True, "fallback": f"{type(job.error).__name__}: {job.error}"}
+        if job.error is not None:
+            raise job.error
+        self._rs_staged = job.source
+        return {"done": True, "bytes": job.source.nbytes, "seconds": job.seconds}
+
+    def rs_stage_path(self, path: str) -> dict[str, Any]:
+        """Checkpoint-directory transport inside the pause: nothing to receive, the load reads the
+        files (an overlapped stage reads them beforehand: ``rs_stage_begin``)."""
+        self._rs_new_round()
+        nbytes = _checkpoint_bytes(path)
         self._rs_staged = _Source(path=path)
         return {"bytes": nbytes, "seconds": 0.0}
 
@@ -216,7 +287,14 @@ class RolloutWorkerExtension:
         return {"file": path, "bytes": current.nbytes}
 
     def rs_discard_staged(self) -> None:
+        """Drop the staged weights, and a background stage still running (what it receives is
+        dropped when it ends; a broadcast it waits on ends by the trainer's trailer or the group's
+        timeout)."""
         self._rs_state()
+        job = getattr(self, "_rs_job", None)
+        if job is not None:
+            job.abandon()
+            self._rs_job = None
         self._rs_drop(self._rs_staged)
         self._rs_staged = None
 
@@ -234,6 +312,7 @@ class RolloutWorkerExtension:
             self._rs_reload(weights_iterator=_failing_iter(_tensors_of(staged), fail_after_tensors))
         else:
             self._rs_load(staged)
+        self._rs_current = staged.settled()
         return {"seconds": time.perf_counter() - t0}
 
     def rs_commit(self) -> None:
@@ -310,10 +389,10 @@ class RolloutWorkerExtension:
         return self.rs_reload_current()
 
     def _rs_load(self, source: _Source) -> None:
-        if source.path is not None:
-            self._rs_reload(weights_path=source.path)
-        else:
+        if source.tensors is not None:
             self._rs_reload(weights_iterator=iter(source.tensors))
+        else:
+            self._rs_reload(weights_path=source.path)
 
     def _rs_reload(self, **kwargs) -> None:
         """``reload_weights``, leaving a reloadable model if it raises.
@@ -333,6 +412,75 @@ class RolloutWorkerExtension:
             except Exception:  # the original error is the one to report
                 pass
             raise
+
+
+class StagingFallback(RuntimeError):
+    """This engine cannot hold a second copy of the weights for this refit: it stages inside the
+    pause instead (the refit report says so)."""
+
+
+class _StageJob:
+    """One background stage: runs ``work`` (returns a :class:`_Source`) in a worker thread."""
+
+    def __init__(self, work):
+        import threading
+
+        self.work = work
+        self.finished = threading.Event()
+        self.abandoned = False
+        self.source: _Source | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            source = self.work()
+            if not self.abandoned:
+                self.source = source
+        except BaseException as exc:  # noqa: BLE001 - handed to the poll that collects it
+            self.error = exc
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self.finished.set()
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        self.source = None
+
+
+def _checkpoint_bytes(path: str) -> int:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {path}")
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def _read_checkpoint(path: str) -> _Source:
+    """A checkpoint directory's tensors read into memory (it stays the source's path)."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in the checkpoint directory {path}")
+    tensors: list[tuple[str, Any]] = []
+    for file in files:
+        tensors += list(load_file(file).items())
+    return _Source(path=path, tensors=tensors)
+
+
+def _read_file(path: str, delete: bool) -> _Source:
+    from safetensors.torch import load_file
+
+    try:
+        return _Source(tensors=list(load_file(path).items()))
+    finally:
+        if delete:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 class _Recording:
