@@ -531,8 +531,9 @@ class RefitConfig(_Strict):
     staging_budget_bytes: int | None = Field(
         None, ge=0,
         description="The most bytes of new weights an engine may stage ahead (overlap) while it still serves the "
-        "old ones; a refit above it (or one whose staging copy cannot be allocated) stages inside the pause on "
-        "that engine, and its report says so (staging, staging_fallback). None: no limit.",
+        "old ones; a refit above it stages inside the pause on that engine (a collective one: on every engine), "
+        "and its report says so (staging, staging_fallback); so does a path or object-store refit whose staging "
+        "copy cannot be allocated. None: no limit.",
     )
     lease_s: float = Field(
         600.0, gt=0,

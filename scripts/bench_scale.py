@@ -263,22 +263,25 @@ def run_one(n: int, args, policy: str | None = None) -> dict:
         shutil.copy(Path(cfg.engine.resolved_model()) / "model.safetensors", ckpt / "model.safetensors")
         trainer = TrainerClient(svc.controller, timeout_s=120)
         cleanup.append(lambda: shutil.rmtree(ckpt, ignore_errors=True))  # replacements load from it
-        modes = list(dict.fromkeys([cfg.refit.control, *args.compare_control]))  # alternated, same service
+        # alternated, same service: refit.control modes, and "staging:<mode>" for refit.staging ones
+        modes = list(dict.fromkeys([cfg.refit.control, *args.compare_control,
+                                    *[f"staging:{m}" for m in args.compare_staging]]))
         reports: dict[str, list] = {mode: [] for mode in modes}
         controller_cpu: dict[str, list] = {mode: [] for mode in modes}  # the controller's own CPU per refit
         for i in range(args.refits):
             for mode in modes:
                 if len(modes) > 1:
+                    field = {"staging": mode.split(":")[-1]} if mode.startswith("staging:") else {"control": mode}
                     ray.get(svc.controller.update_config.remote(
-                        cfg.model_copy(update={"refit": cfg.refit.model_copy(update={"control": mode})}).model_dump()))
+                        cfg.model_copy(update={"refit": cfg.refit.model_copy(update=field)}).model_dump()))
                 c0 = cpu_by_role().get("controller", 0.0)
-                reports[mode].append(trainer.refit(f"s{n}-{mode}-{i}", str(ckpt), transport="path"))
+                reports[mode].append(trainer.refit(f"s{n}-{mode.replace(':', '-')}-{i}", str(ckpt), transport="path"))
                 controller_cpu[mode].append(cpu_by_role().get("controller", 0.0) - c0)
         row["refit_controller_cpu_ms_by_control"] = {m: 1e3 * statistics.median(v) for m, v in controller_cpu.items()}
         row["refit_stall_ms"] = 1e3 * statistics.median(r["stall_s"] for r in reports[modes[0]])
         row["refit_control_ms"] = 1e3 * statistics.median(r["control_s"] for r in reports[modes[0]])
         row["refit_phases_ms"] = {k: 1e3 * statistics.median(r[k] for r in reports[modes[0]])
-                                  for k in ("pause_s", "transfer_s", "load_s", "resume_s")}
+                                  for k in ("stage_s", "pause_s", "transfer_s", "load_s", "resume_s")}
         row["refit_stall_ms_by_control"] = {m: 1e3 * statistics.median(r["stall_s"] for r in reports[m]) for m in modes}
         if len(modes) > 1:
             print(f"  refit stall at {n} engines, median of {args.refits} (alternated): "
@@ -343,6 +346,9 @@ def main(argv=None) -> int:
     p.add_argument("--refits", type=int, default=3)
     p.add_argument("--compare-control", nargs="*", default=[], choices=["channel", "ray"],
                    help="also refit with these refit.control modes, alternating on the same service")
+    p.add_argument("--compare-staging", nargs="*", default=[], choices=["overlap", "inside"],
+                   help="also refit with these refit.staging modes (rows 'staging:<mode>'), alternating on the "
+                   "same service")
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--routing", action="store_true", help="the routing table: each policy on the same workload")
     p.add_argument("--max-num-seqs", type=int, default=64)

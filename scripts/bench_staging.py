@@ -104,6 +104,9 @@ def bench_one(size: str, root: Path, repeats: int, transports: tuple[str, ...], 
     def config(staging: str) -> dict:
         return RolloutServiceConfig.model_validate({
             "engine": {"model": str(mdir), "max_num_seqs": 8},
+            # No fleet copy of each refit's weights (an export per refit: 2-3 more copies of a 1.4 GB
+            # model in memory at once, which the 24 GiB machine cannot hold beside the rest).
+            "fleet": {"keep_weights_copy": False},
             "refit": {"staging": staging, "step_timeout_s": 300}}).model_dump()
 
     # A fleet of its own per model (not the instance's named one, which a second model would reuse).

@@ -193,12 +193,19 @@ def test_a_killed_controller_is_restarted_and_a_refit_it_left_half_done_ends_wit
     trainer = TrainerClient(controller, timeout_s=60)
     start_version = trainer.stats()["weight_version"]
 
-    # Between refits: the same handle works after the restart.
+    # Between refits: the same handle works after the restart, and a trainer that had formed a
+    # weight-sync group re-forms it by itself (the restarted controller holds none) and says so.
+    from safetensors.torch import load_file
+
+    from rollout_service.refit.types import GROUP_UNKNOWN
+
+    trainer.init_weight_sync()
     pid = _pid(controller)
     os.kill(pid, signal.SIGKILL)
-    report = _wait(lambda: _try(lambda: trainer.refit("c1", str(ckpt), transport="path")), 60,
-                   "no refit after the controller's restart")
-    assert report["ok"] and _pid(controller) != pid
+    weights = load_file(str(ckpt / "model.safetensors"))
+    report = _wait(lambda: _try(lambda: trainer.refit("c1", weights)), 60, "no refit after the controller's restart")
+    assert report["ok"] and _pid(controller) != pid and report["transport"] == "collective"
+    assert report["weight_sync_reformed"] == GROUP_UNKNOWN
     assert trainer.stats()["recovered"]["version"] == start_version
     sums = set(trainer.weights_checksums())
 
@@ -391,6 +398,55 @@ def test_a_refit_over_the_staging_budget_stages_inside_the_pause_and_status_says
         last = httpx.get(f"{base}/v1/status", timeout=60).json()["last_refit"]
         assert last["version"] == f"budget-{staging}" and last["staging"] == staging
         assert last["stall_s"] == pytest.approx(report["stall_s"]) and last["staged_bytes"] == report["staged_bytes"]
+
+
+def test_a_refit_slow_at_every_step_that_fails_at_its_label_ends_inside_its_lease_each_engine_resumed_once(
+        heal_app, tiny_model_dir, tmp_path):
+    """One engine takes 80 % of the step timeout at every step it runs (the stage ahead, the pause,
+    the load, the label, then the rollback and the relabel of the failure path) and its label
+    fails. The refit fails at the label after its slowest path, inside the lease of its bracket
+    (refit_lease_s): the fleet never ended the bracket under it (outcome not_committed, not
+    lease_expired), every engine was paused once and resumed once (nothing resumed early), and
+    all serve the previous weights under the previous version."""
+    from rollout_service.refit.client import TrainerClient
+    from rollout_service.refit.controller import controller_name, get_controller
+    from rollout_service.refit.deadlines import refit_lease_s
+    from rollout_service.refit.types import RefitFailed
+
+    base, fleet = heal_app
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(tiny_model_dir / "model.safetensors", ckpt / "model.safetensors")
+    trainer = TrainerClient(get_controller(controller_name(APP)), timeout_s=60)
+    step_s = 2.0
+    version = trainer.stats()["weight_version"]
+    sums = sorted(trainer.weights_checksums())
+    members = ray.get(fleet.view.remote(), timeout=60).members
+    victim = members[1].handle
+
+    def counts():
+        health = ray.get([m.handle.health.remote() for m in members], timeout=60)
+        return {m.slot: (h["pauses"], h["resumes"]) for m, h in zip(members, health)}
+
+    before = counts()
+    for method, times in (("rs_stage_path", 1), ("pause", 1), ("rs_load_staged", 1), ("set_weight_version", 2),
+                          ("rs_rollback", 1)):
+        ray.get(victim.inject_delay.remote(method, 0.8 * step_s, times), timeout=60)
+    ray.get(victim.inject_fault.remote("set_weight_version", "after"), timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(RefitFailed) as err:
+        trainer.refit("slow-at-every-step", str(ckpt), transport="path", timeout_s=step_s)
+    took = time.monotonic() - t0
+    report = err.value.report
+    print(f"slow refit failed at {report['failed_step']} after {took:.1f}s (lease {refit_lease_s(step_s):.0f}s)")
+    assert report["failed_step"] == "label" and report["rolled_back"], report
+    assert took > 5 * 0.8 * step_s and took < refit_lease_s(step_s)
+    last = ray.get(fleet.stats.remote(), timeout=60)["last_refit"]
+    assert last["outcome"] == "not_committed" and last["version"] is None, last
+    assert counts() == {slot: (p + 1, r + 1) for slot, (p, r) in before.items()}
+    states = _engine_states(fleet)
+    assert {(paused, v) for _, paused, v in states.values()} == {(False, version)}
+    assert sorted(trainer.weights_checksums()) == sums
 
 
 def test_a_fleet_killed_for_good_is_created_again_by_the_data_plane_and_adopts_the_engines(heal_app):

@@ -47,10 +47,37 @@ def test_a_checkpoint_is_read_in_the_background_and_kept_as_its_path_once_loaded
     staged = worker._rs_staged
     assert staged.path == str(tiny_model_dir) and staged.tensors is not None
     assert staged.settled().tensors is None and staged.settled().path == str(tiny_model_dir)
-    with pytest.raises(RuntimeError, match="no background stage"):
-        worker.rs_stage_poll()  # collected once
+    assert worker.rs_stage_poll() == done and worker._rs_staged is staged  # asked again: the same answer
     worker.rs_discard_staged()
     assert worker._rs_staged is None
+    with pytest.raises(RuntimeError, match="no background stage"):
+        worker.rs_stage_poll()
+
+
+def test_a_late_call_of_an_ended_refit_never_touches_the_current_one(tiny_model_dir):
+    """Calls name their refit: a poll or discard of another refit leaves the stage alone; a refit
+    fenced by its failure path, or a begin past its deadline, is refused."""
+    worker = _Worker(str(tiny_model_dir))
+    assert worker.rs_stage_begin("rs_stage_path", [str(tiny_model_dir)], token="b")["started"]
+    with pytest.raises(RuntimeError, match="no background stage of refit a"):
+        worker.rs_stage_poll("a")
+    worker.rs_discard_staged(token="a", fence=True)  # refit a's failure path, late: b's stage stays
+    assert _until_done_token(worker, "b")["done"] and worker._rs_staged is not None
+    with pytest.raises(RuntimeError, match="refit a already ended"):
+        worker.rs_stage_begin("rs_stage_path", [str(tiny_model_dir)], token="a")
+    assert worker._rs_staged is not None  # (the refused begin discarded nothing)
+    with pytest.raises(TimeoutError, match="past its deadline"):
+        worker.rs_stage_begin("rs_stage_path", [str(tiny_model_dir)], token="c", not_after=time.monotonic() - 1)
+    worker.rs_discard_staged(token="b")
+    assert worker._rs_staged is None
+
+
+def _until_done_token(worker, token: str, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not (polled := worker.rs_stage_poll(token))["done"]:
+        assert time.monotonic() < deadline, "the background stage did not end"
+        time.sleep(0.01)
+    return polled
 
 
 def test_over_the_budget_nothing_is_staged_and_the_fallback_says_why(tiny_model_dir):

@@ -67,29 +67,37 @@ class RefitSteps:
                 "refit_apply": apply_staged, "refit_commit_resume": self.refit_commit_resume}
 
     async def refit_stage(self, stage: dict[str, Any], timeout: float, budget_bytes: int | None = None,
-                          poll_interval_s: float = STAGE_POLL_S) -> dict[str, Any]:
-        """Stage the new weights while this engine keeps generating (``refit.staging: overlap``):
-        the workers receive them in a background thread (``rs_stage_begin``), polled between the
-        engine's steps until done or ``timeout``. Returns ``ok``, the workers' stage results, its
-        seconds, and ``fallback`` (why this engine stages inside the pause instead: over
-        ``budget_bytes``, or memory ran out) or ``error`` (nothing staged; a stage still running is
-        abandoned). Never raises but for the engine's own death."""
+                          token: str | None = None, poll_interval_s: float = STAGE_POLL_S) -> dict[str, Any]:
+        """Stage the new weights of refit ``token`` while this engine keeps generating
+        (``refit.staging: overlap``): the workers receive them in a background thread
+        (``rs_stage_begin``), polled between the engine's steps until done; all of it within
+        ``timeout`` (a begin that reaches the workers later is refused there, so a stage the
+        controller gave up on never starts behind its back). Returns ``ok``, the workers' stage
+        results, its seconds, and ``fallback`` (why this engine stages inside the pause instead:
+        over ``budget_bytes``, or memory ran out) or ``error`` (nothing staged; a stage still
+        running is abandoned). Never raises but for the engine's own death."""
         out: dict[str, Any] = {"ok": False, "fallback": None, "error": None, "stage": [], "bytes": 0, "seconds": 0.0}
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.001, deadline - time.monotonic())
+
         method = None
         try:
             if "refs" in stage:
-                method, args = await asyncio.wait_for(self.object_store_stage(list(stage["refs"])), timeout)
+                method, args = await asyncio.wait_for(self.object_store_stage(list(stage["refs"])), left())
             else:
                 method, args = stage["rpc"], list(stage.get("args") or ())
-            began = await asyncio.wait_for(
-                self.collective_rpc("rs_stage_begin", args=(method, args, budget_bytes), timeout=timeout), timeout)
+            began = await asyncio.wait_for(self.collective_rpc(
+                "rs_stage_begin", args=(method, args, budget_bytes, token, deadline), timeout=left()), left())
             out["bytes"] = max((b.get("bytes", 0) for b in began), default=0)
+            # One worker that cannot is enough: the engine stages inside (what the others began is
+            # discarded below).
             fallback = next((b["fallback"] for b in began if not b["started"]), None)
             while fallback is None:
                 polls = await asyncio.wait_for(
-                    self.collective_rpc("rs_stage_poll", timeout=timeout), max(0.0, deadline - time.monotonic()))
+                    self.collective_rpc("rs_stage_poll", args=(token,), timeout=left()), left())
                 if all(p["done"] for p in polls):
                     fallback = next((p["fallback"] for p in polls if p.get("fallback")), None)
                     if fallback is None:
@@ -103,9 +111,10 @@ class RefitSteps:
         except Exception as exc:  # noqa: BLE001 - named and returned: the controller ends the refit
             out["error"] = step_error(exc)
         finally:
-            if not out["ok"]:  # nothing half-staged stays behind (nor a thread's late result)
+            if not out["ok"]:  # nothing half-staged of this refit stays behind (nor a thread's late result)
                 try:
-                    await asyncio.wait_for(self.collective_rpc("rs_discard_staged", timeout=timeout), timeout)
+                    await asyncio.wait_for(self.collective_rpc("rs_discard_staged", kwargs={"token": token},
+                                                               timeout=timeout), timeout)
                 except Exception:  # noqa: BLE001 - the next refit's stage discards it too
                     pass
             if method is not None and "refs" in stage:

@@ -105,6 +105,7 @@ class SimulatedWorker:
         self.group = None
         self.job: dict[str, Any] | None = None  # a background stage (rs_stage_begin)
         self.pending: list = []  # a state dict the actor resolved for it (object_store_stage)
+        self.fences: list[str] = []  # refits whose failure path ran here (a late begin of one is refused)
         self.half_loaded = False  # a load failed part-way: the weights are neither old nor new
 
     def rs_weights_checksum(self) -> str:
@@ -147,67 +148,95 @@ class SimulatedWorker:
         nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
         return {"bytes": nbytes, "seconds": 0.0}
 
-    def rs_discard_staged(self) -> None:
+    def rs_discard_staged(self, token: str | None = None, fence: bool = False) -> None:
+        if token is not None and fence:
+            self.fences = [*self.fences, token][-16:]
+        if token is not None and (self.job is None or self.job["token"] != token):
+            return  # not this refit's
         self.staged = None
-        job, self.job = getattr(self, "job", None), None
+        job, self.job = self.job, None
         if job is not None:
             job["abandoned"] = True
 
-    def rs_stage_begin(self, method: str, args: list, budget_bytes: int | None = None) -> dict[str, Any]:
-        """A stage in a background thread, as the real worker's: ``method`` is one of the staging
-        methods (``sim_object``: the state dict the actor resolved, ``object_store_stage``)."""
+    def rs_stage_begin(self, method: str, args: list, budget_bytes: int | None = None, token: str | None = None,
+                       not_after: float | None = None) -> dict[str, Any]:
+        """A stage in a background thread, as the real worker's (the thread computes, the poll
+        installs): ``method`` is one of the staging methods (``sim_object``: the state dict the
+        actor resolved, ``object_store_stage``)."""
+        if token is not None and token in self.fences:
+            raise RuntimeError(f"refit {token} already ended on this engine (its failure path ran here)")
+        if not_after is not None and time.monotonic() > not_after:
+            raise TimeoutError(f"refit {token}: the stage began past its deadline")
         self.rs_discard_staged()
-        self.previous = None
+        self.previous = None  # a backup a failed commit left: never rolled back to now
         if method == "rs_stage_collective":
             from rollout_service.weights.collective import BucketPlan
 
-            nbytes = BucketPlan.from_json(args[0]).total_bytes
+            if self.group is None:
+                raise RuntimeError("no weight-sync group: call init_weight_sync first")
+            plan, group = BucketPlan.from_json(args[0]), self.group
+            nbytes = plan.total_bytes
+
+            def work():
+                from rollout_service.weights.collective import receive_buckets
+
+                tensors, _buffers = receive_buckets(group, plan)
+                digest, n = _digest_tensors(tensors)
+                return _Weights(digest), n
         elif method == "rs_stage_path":
-            if not os.path.isdir(args[0]):
-                raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {args[0]}")
-            nbytes = sum(os.path.getsize(os.path.join(args[0], f)) for f in os.listdir(args[0])
-                         if f.endswith(".safetensors"))
+            path = args[0]
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {path}")
+            nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+            def work():
+                return _Weights(_digest_path(path), path=path), nbytes
         elif method == "sim_object":
+            state, self.pending = (self.pending or [None])[-1], []
             nbytes = 0
+
+            def work():
+                return self.weights_of(state)
         else:
             raise ValueError(f"cannot stage in the background through {method!r}")
         if budget_bytes is not None and nbytes > budget_bytes:
             return {"started": False, "bytes": nbytes,
                     "fallback": f"{nbytes} bytes over refit.staging_budget_bytes ({budget_bytes})"}
-        work = (lambda: self.stage_object(self.pending.pop())) if method == "sim_object" else (
-            lambda: getattr(self, method)(*args))
-        job: dict[str, Any] = {"done": threading.Event(), "abandoned": False, "result": None, "error": None}
+        job: dict[str, Any] = {"done": threading.Event(), "abandoned": False, "token": token, "installed": False,
+                               "weights": None, "bytes": 0, "seconds": 0.0, "error": None}
 
         def run():
+            t0 = time.perf_counter()
             try:
-                result = work()  # stages into self.staged
-                if job["abandoned"]:
-                    self.staged = None
-                job["result"] = result
+                job["weights"], job["bytes"] = work()
             except BaseException as exc:  # noqa: BLE001 - handed to the poll
                 job["error"] = exc
             finally:
+                job["seconds"] = time.perf_counter() - t0
                 job["done"].set()
 
         self.job = job
         threading.Thread(target=run, name="sim-stage", daemon=True).start()
         return {"started": True, "bytes": nbytes}
 
-    def rs_stage_poll(self) -> dict[str, Any]:
-        job = getattr(self, "job", None)
-        if job is None:
-            raise RuntimeError("no background stage under way (discarded, or never begun)")
+    def rs_stage_poll(self, token: str | None = None) -> dict[str, Any]:
+        job = self.job
+        if job is None or job["token"] != token:
+            raise RuntimeError(f"no background stage of refit {token} here (discarded, superseded, or never begun)")
         if not job["done"].is_set():
             return {"done": False}
-        self.job = None
         if job["error"] is not None:
             raise job["error"]
-        return {"done": True, **job["result"]}
+        if not job["installed"]:
+            job["installed"] = True
+            self.staged = job["weights"]
+        return {"done": True, "bytes": job["bytes"], "seconds": job["seconds"]}
 
     def rs_load_staged(self, fail_after_tensors: int | None = None) -> dict[str, Any]:
         if self.staged is None:
             raise RuntimeError("nothing staged to load")
         staged, self.staged = self.staged, None
+        self.job = None
         self.previous, self.current = self.current, staged
         if fail_after_tensors is not None:
             self.half_loaded = True
@@ -235,13 +264,19 @@ class SimulatedWorker:
         self.previous = None
         if isinstance(state, dict) and set(state) == {"path"}:
             return self.rs_stage_path(state["path"])
+        self.staged, nbytes = self.weights_of(state)
+        return {"bytes": nbytes, "seconds": 0.0}
+
+    @staticmethod
+    def weights_of(state: Any) -> tuple[_Weights, int]:
+        """What a staged object is (not installed): a checkpoint path, a digest, or a state dict."""
+        if isinstance(state, dict) and set(state) == {"path"}:
+            return _Weights(_digest_path(state["path"]), path=state["path"]), 0
         if isinstance(state, dict) and set(state) == {"sim_digest"}:
-            self.staged = _Weights(str(state["sim_digest"]))
-            return {"bytes": 0, "seconds": 0.0}
+            return _Weights(str(state["sim_digest"])), 0
         items = state.items() if hasattr(state, "items") else state
         digest, nbytes = _digest_tensors(list(items))
-        self.staged = _Weights(digest)
-        return {"bytes": nbytes, "seconds": 0.0}
+        return _Weights(digest), nbytes
 
     def export(self) -> dict[str, Any]:
         if self.previous is not None:
@@ -319,6 +354,7 @@ class SimulatedEngine(RefitSteps):
         self._num_aborted = 0
         self._paused = False
         self._num_pauses = 0  # pauses that landed since start (health: a staging failure pauses none)
+        self._num_resumes = 0  # resumes since start (health: an engine resumed twice was resumed early once)
         self._work = asyncio.Event()
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -329,6 +365,7 @@ class SimulatedEngine(RefitSteps):
         self._cache: _PrefixCache | None = None
         self.stats = {"steps": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
         self._faults: dict[str, list] = {}  # control-plane method -> [when, calls left] (inject_fault)
+        self._delays: dict[str, list] = {}  # control-plane method -> [seconds, calls left] (inject_delay)
 
     # ----------------------------------------------------------------- life cycle
     async def start(self) -> float:
@@ -582,6 +619,26 @@ class SimulatedEngine(RefitSteps):
         else:
             self._faults.pop(method, None)
 
+    def inject_delay(self, method: str, seconds: float, times: int = 1) -> None:
+        """Make the next ``times`` calls of ``method`` (:attr:`FAULTABLE`) take ``seconds`` longer
+        before their work (a slow step: one just under its deadline, for the lease drills);
+        ``times=0`` clears it. Combines with :meth:`inject_fault` (slow, then failed)."""
+        if method not in self.FAULTABLE:
+            raise ValueError(f"can inject delays into {', '.join(self.FAULTABLE)}; got {method!r}")
+        if times > 0:
+            self._delays[method] = [float(seconds), times]
+        else:
+            self._delays.pop(method, None)
+
+    async def _delay(self, method: str) -> None:
+        delay = self._delays.get(method)
+        if delay is None:
+            return
+        delay[1] -= 1
+        if delay[1] <= 0:
+            del self._delays[method]
+        await asyncio.sleep(delay[0])
+
     def _fault(self, method: str, when: str) -> None:
         fault = self._faults.get(method)
         if fault is None or fault[0] != when:
@@ -597,6 +654,7 @@ class SimulatedEngine(RefitSteps):
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode must be keep, wait or abort, got {mode!r}")
         self._check_started()
+        await self._delay("pause")
         self._fault("pause", "before")
         t0 = time.perf_counter()
         if mode == "wait":
@@ -614,8 +672,10 @@ class SimulatedEngine(RefitSteps):
 
     async def resume(self) -> float:
         self._check_started()
+        await self._delay("resume")
         self._fault("resume", "before")
         self._paused = False
+        self._num_resumes += 1
         self._resumed.set()
         self._fault("resume", "after")
         return 0.0
@@ -625,6 +685,7 @@ class SimulatedEngine(RefitSteps):
 
     async def set_weight_version(self, version: str) -> None:
         self._check_started()
+        await self._delay("set_weight_version")
         self._fault("set_weight_version", "before")
         self._version = version
         self._fault("set_weight_version", "after")
@@ -640,6 +701,7 @@ class SimulatedEngine(RefitSteps):
             raise NotImplementedError(f"the simulated engine has no worker method {method!r}")
         # A background stage faults as the staging method it runs (rs_stage_path, ...) would.
         faulted = args[0] if method == "rs_stage_begin" and args and args[0] in self.FAULTABLE else method
+        await self._delay(faulted)
         self._fault(faulted, "before")
         call = asyncio.to_thread(fn, *args, **(kwargs or {}))
         result = [await (asyncio.wait_for(call, timeout) if timeout else call)]
@@ -690,6 +752,7 @@ class SimulatedEngine(RefitSteps):
             "ready": True,
             "paused": self._paused,
             "pauses": self._num_pauses,
+            "resumes": self._num_resumes,
             "weight_version": self._version,
             "in_flight": len(self._by_id),
             "startup_s": self._startup_s,

@@ -19,7 +19,8 @@ apply to the next call).
 ``RefitInProgress`` / ``RefitFailed`` (engines resumed on the previous weights either way).
 
 For the collective transport the trainer is the broadcast root: ``refit`` starts the controller's
-call (pause every engine, then receive) and broadcasts the buckets itself, concurrently.
+call (every engine receives, while it generates under ``refit.staging: overlap`` or after the
+pause under ``inside``) and broadcasts the buckets itself, concurrently.
 
 The client is async-first: every method is a coroutine (``ainit_weight_sync``, ``arefit``,
 ``astats``, ``aget_rollout``, ``aweights_checksums``, ``asettings``) and its plain name is a thin
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 import uuid
@@ -60,7 +62,10 @@ from rollout_service.refit.deadlines import trainer_wait_s
 from rollout_service.refit.nccl_trainer import NcclTrainer
 from rollout_service.refit.rollout_reads import read_group, read_trajectory
 from rollout_service.refit.transports import CheckpointPathTransfer, CollectiveTransfer, ObjectStoreTransfer
-from rollout_service.refit.types import MEMBERSHIP_CHANGED, RefitFailed, RefitInProgress, WeightSyncNotInitialized
+from rollout_service.refit.types import (GROUP_UNKNOWN, MEMBERSHIP_CHANGED, RefitFailed, RefitInProgress,
+                                         WeightSyncNotInitialized)
+
+logger = logging.getLogger("rollout_service.refit.client")
 
 TRANSPORTS = ("collective", "object_store", "path")
 BACKENDS = ("gloo", "nccl")
@@ -257,17 +262,21 @@ class TrainerClient(NcclTrainer):
                 except WeightSyncNotInitialized as exc:
                     if not self._reform_after(exc):
                         raise
+                    logger.warning("re-forming the weight-sync group before refit %s: %s", version, exc)
                     await self.ainit_weight_sync(backend="gloo", timeout_s=self._group_timeout_s)
-                    return await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
+                    report = await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
+                    return {**report, "weight_sync_reformed": str(exc)}
             transfer = await asyncio.to_thread(_staged_transfer, params, transport)
             return await aget(self._start(version, transfer, clear, timeout), trainer_wait_s(timeout))
         finally:
             self._lock.release()
 
     def _reform_after(self, exc: WeightSyncNotInitialized) -> bool:
-        """An engine was lost or replaced since the group was formed: the group is re-formed over the
-        engines serving now, once, and the refit retried (the trainer had formed a group before)."""
-        return str(exc).startswith(MEMBERSHIP_CHANGED) and self._group_formed
+        """An engine was lost or replaced since the group was formed, or the controller holds no
+        group though this client does (the controller was restarted): the group is re-formed over
+        the engines serving now, once, and the refit retried (the trainer had formed a group
+        before). The report then says why (``weight_sync_reformed``)."""
+        return str(exc).startswith((MEMBERSHIP_CHANGED, GROUP_UNKNOWN)) and self._group_formed
 
     def _acquire(self) -> None:
         if not self._lock.acquire(blocking=False):

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.fleet.types import is_engine_death
+from rollout_service.fleet.types import REFIT_TIMINGS, is_engine_death
 from rollout_service.metrics import get_metrics
 from rollout_service.refit.types import RefitFailed, RefitInProgress, RefitReport, WeightSyncNotInitialized, short_error
 
@@ -233,7 +233,9 @@ class NcclRounds:
                 report.total_s = report.stall_s = time.perf_counter() - round_["t_start"]
         finally:
             try:
-                await asyncio.wait_for(self.fleet.end_refit.remote(committed, None), self.config.refit.step_timeout_s)
+                timings = {k: report.to_dict().get(k) for k in REFIT_TIMINGS} if report is not None else None
+                await asyncio.wait_for(self.fleet.end_refit.remote(committed, None, timings),
+                                       self.config.refit.step_timeout_s)
             finally:
                 if self._refit_lock.locked():
                     self._refit_lock.release()

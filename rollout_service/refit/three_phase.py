@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
@@ -69,10 +70,11 @@ class ThreePhaseRefit:
         t_pause: float | None = None
         stage = transfer.engine_stage()
         staged: set[int] = set()  # slots that staged ahead (overlap): their apply only loads and labels
+        token = uuid.uuid4().hex[:12]  # this refit, to the engines' background stages
         try:
             if self.config.refit.staging == "overlap":
                 step = "transfer"
-                staged = await self._stage_ahead(view, transfer, stage, timeout, report)
+                staged = await self._stage_ahead(view, transfer, stage, timeout, report, token)
                 step = "pause"
 
             async def pause(m: Member):
@@ -112,7 +114,7 @@ class ThreePhaseRefit:
                 inside_bytes, inside_receive_s = bytes_of([a["stage"] for a in done])
                 report.bytes = max(report.bytes, inside_bytes)
                 report.worker_receive_s = max(report.worker_receive_s, inside_receive_s)
-                report.transfer_s = max(report.transfer_s, inside_s)
+                report.transfer_s = inside_s
             report.worker_timings = [w for a in done for w in a["load"] if w]
             report.load_s = max((a["seconds"].get("load", 0.0) for a in done), default=0.0)
             label_s = max(0.0, apply_s - inside_s - report.load_s)
@@ -146,7 +148,7 @@ class ThreePhaseRefit:
                     return None
                 return reached[slot] is not None, reached[slot] in ("load", "label")
 
-            report.rolled_back = await self._roll_back_failed_refit(view, previous, undo, timeout, report)
+            report.rolled_back = await self._roll_back_failed_refit(view, previous, undo, timeout, report, token)
         finally:
             left = [e for e in paused if id(e) not in resumed]
             if left:
@@ -163,7 +165,7 @@ class ThreePhaseRefit:
         return report
 
     async def _stage_ahead(self, view: FleetView, transfer, stage: dict[str, Any], timeout: float,
-                           report: RefitReport) -> set[int]:
+                           report: RefitReport, token: str) -> set[int]:
         """``refit.staging: overlap``: every engine stages the new weights while it generates
         (``refit_stage``, under one step's deadline). Returns the slots that staged; an engine
         over ``refit.staging_budget_bytes``, or whose staging copy could not be allocated, stages
@@ -179,10 +181,11 @@ class ThreePhaseRefit:
             return set()
         t0 = time.perf_counter()
         results = await asyncio.gather(
-            *[asyncio.wait_for(self._control.call(m, "refit_stage", stage, timeout, budget, ray_only="refs" in stage),
-                               stage_deadline_s(timeout)) for m in view.members],
+            *[asyncio.wait_for(self._control.call(m, "refit_stage", stage, timeout, budget, token,
+                                                  ray_only="refs" in stage), stage_deadline_s(timeout))
+              for m in view.members],
             return_exceptions=True)
-        report.stage_s = report.transfer_s = time.perf_counter() - t0
+        report.stage_s = time.perf_counter() - t0  # (with every engine falling back: their answers' time)
         await self._report_lost([(m, r) for m, r in zip(view.members, results)
                                  if isinstance(r, BaseException) and is_engine_death(r)], timeout, report)
         failed = [(m, r) for m, r in zip(view.members, results) if isinstance(r, BaseException) or r["error"]]
@@ -197,6 +200,8 @@ class ThreePhaseRefit:
         report.bytes, report.worker_receive_s = bytes_of([r["stage"] for r in done])
         report.staged_bytes = report.bytes
         report.staging = "overlap" if len(staged) == len(view.members) else ("mixed" if staged else "inside")
+        if report.staging == "overlap":
+            report.transfer_s = report.stage_s  # (else: the transfer inside the pause, set by the apply)
         return staged
 
     async def _report_lost(self, lost: list[tuple[Member, BaseException]], timeout: float, report) -> None:
@@ -256,7 +261,8 @@ class ThreePhaseRefit:
                 "resume failed (the fleet resumes the engine): " + "; ".join(resume_errors))[:600]
         return aborted
 
-    async def _roll_back_failed_refit(self, view: FleetView, previous, undo, timeout, report) -> bool:
+    async def _roll_back_failed_refit(self, view: FleetView, previous, undo, timeout, report,
+                                      token: str | None = None) -> bool:
         """Back to the previous weights and label on every surviving engine, as far as each got
         (``undo(slot)``: roll the load back, restore the label). An engine that died needs nothing
         (its replacement loads the fleet's current version); one that is alive but cannot be
@@ -279,8 +285,10 @@ class ThreePhaseRefit:
                 if rollback:
                     await asyncio.wait_for(e.collective_rpc.remote("rs_rollback", timeout=timeout), timeout)
                     rolled.append(True)
-                else:
-                    await asyncio.wait_for(e.collective_rpc.remote("rs_discard_staged", timeout=timeout), timeout)
+                else:  # all it staged, and refit ``token`` fenced: a late begin of its stage is refused
+                    await asyncio.wait_for(e.collective_rpc.remote(
+                        "rs_discard_staged", kwargs={"token": token, "fence": True} if token else None,
+                        timeout=timeout), timeout)
                 if relabel:
                     await asyncio.wait_for(e.set_weight_version.remote(previous), timeout)
             except Exception as exc:

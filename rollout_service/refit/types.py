@@ -23,7 +23,7 @@ class RefitReport:
     staged_bytes: int = 0  # bytes of new weights each engine held staged beside the serving ones (overlap)
     stage_s: float = 0.0  # overlap: staging in every engine while they generate (outside the stall)
     pause_s: float = 0.0  # pause(keep) on every engine
-    transfer_s: float = 0.0  # stage the new state dict in every worker (model untouched; overlap: = stage_s)
+    transfer_s: float = 0.0  # stage the new state dict in every worker (model untouched): inside the pause, or = stage_s (overlap)
     worker_receive_s: float = 0.0  # of which: the slowest worker's own receive / read
     trainer_send_s: float | None = None  # collective: trainer's handshake done -> END sent (the bytes' time on the wire)
     load_s: float = 0.0  # in-place reload_weights in every worker
@@ -80,6 +80,7 @@ class WeightSyncNotInitialized(RuntimeError):
 
 
 MEMBERSHIP_CHANGED = "the serving engines changed since init_weight_sync"
+GROUP_UNKNOWN = "collective transfer needs init_weight_sync first"  # the controller holds no group (e.g. restarted)
 
 
 def short_error(exc: BaseException) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.fleet.types import FleetView
-from rollout_service.refit.types import MEMBERSHIP_CHANGED, RefitInProgress, WeightSyncNotInitialized
+from rollout_service.refit.types import GROUP_UNKNOWN, MEMBERSHIP_CHANGED, RefitInProgress, WeightSyncNotInitialized
 
 
 class WeightSyncGroups:
@@ -59,7 +59,7 @@ class WeightSyncGroups:
     def _check_weight_sync(self, view: FleetView) -> None:
         """The gloo group has a rank per engine worker: it is only usable by the members it was built with."""
         if self._weight_sync is None:
-            raise WeightSyncNotInitialized("collective transfer needs init_weight_sync first")
+            raise WeightSyncNotInitialized(GROUP_UNKNOWN)
         if self._weight_sync["members"] != [list(m.key) for m in view.members]:
             before = self._weight_sync["epoch"]
             self._weight_sync = None

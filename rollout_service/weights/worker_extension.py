@@ -173,7 +173,7 @@ class RolloutWorkerExtension:
 
     def _rs_collective_receiver(self, plan_json: str):
         """What receives the broadcast (``() -> _Source``), its buffers allocated here, before any
-        receive is posted: an allocation that fails leaves the group in step."""
+        receive is posted (an allocation that fails raises with nothing posted)."""
         from rollout_service.weights.collective import BucketPlan, allocate_receive_buffers, receive_buckets
 
         group = getattr(self, "_rs_group", None)
@@ -184,7 +184,7 @@ class RolloutWorkerExtension:
         try:
             buffers = allocate_receive_buffers(plan, spare)
         except (MemoryError, RuntimeError) as exc:
-            raise StagingFallback(f"receive buffers of {plan.total_bytes} bytes not allocated: {exc}") from exc
+            raise RuntimeError(f"receive buffers of {plan.total_bytes} bytes not allocated: {exc}") from exc
 
         def receive() -> _Source:
             tensors, received = receive_buckets(group, plan, buffers)
@@ -206,14 +206,25 @@ class RolloutWorkerExtension:
     # the engine as a pause would. So an overlapped stage runs in a thread of the worker: begin
     # starts it and returns; poll (a short call between steps) says whether it is done and, once
     # it is, makes what it received the staged source. The model is not touched until the refit
-    # pauses and loads it (rs_load_staged).
-    def rs_stage_begin(self, method: str, args: list, budget_bytes: int | None = None) -> dict[str, Any]:
+    # pauses and loads it (rs_load_staged). Every call names its refit (``token``): a late call of
+    # a refit that already ended (its controller gave up on this engine, or another engine failed
+    # first) never touches a later refit's state; a begin past ``not_after`` (a time.monotonic()
+    # deadline: the engine actor's, on this host) or of a fenced refit (its failure path ran
+    # here) is refused.
+    def rs_stage_begin(self, method: str, args: list, budget_bytes: int | None = None, token: str | None = None,
+                       not_after: float | None = None) -> dict[str, Any]:
         """Start staging as ``method(*args)`` would (a staging method of this class), in a thread.
         Returns ``{"started": True, "bytes": n}``, or ``{"started": False, "fallback": why}`` when
-        a second copy of ``n`` bytes is over ``budget_bytes`` (the refit stages this engine inside
-        its pause instead, as ``method`` itself does)."""
+        this engine stages inside the refit's pause instead: a second copy of ``n`` bytes over
+        ``budget_bytes``, or (path, file) memory that cannot hold it. A collective stage never
+        falls back on its own (every worker of the group receives the same broadcast at once): a
+        failed allocation is an error, and the refit ends with no engine paused."""
         import threading
 
+        if token is not None and token in self._rs_fences():
+            raise RuntimeError(f"refit {token} already ended on this engine (its failure path ran here)")
+        if not_after is not None and time.monotonic() > not_after:
+            raise TimeoutError(f"refit {token}: the stage began past its deadline")
         self._rs_new_round()
         self.rs_discard_staged()
         if method == STAGE_COLLECTIVE_METHOD:
@@ -230,36 +241,43 @@ class RolloutWorkerExtension:
             return {"started": False, "bytes": nbytes,
                     "fallback": f"{nbytes} bytes over refit.staging_budget_bytes ({budget_bytes})"}
         if method == STAGE_COLLECTIVE_METHOD:
-            try:
-                work = self._rs_collective_receiver(args[0])
-            except StagingFallback as exc:
-                return {"started": False, "bytes": nbytes, "fallback": str(exc)}
+            work = self._rs_collective_receiver(args[0])  # raises on a failed allocation (nothing posted)
         elif method == STAGE_PATH_METHOD:
+            if not _checkpoint_files(args[0]):
+                return {"started": False, "bytes": nbytes,
+                        "fallback": "no *.safetensors in the checkpoint: the load reads it inside the pause"}
             work = lambda: _read_checkpoint(args[0])  # noqa: E731
         else:
             work = lambda: _read_file(args[0], bool(args[1]) if len(args) > 1 else True)  # noqa: E731
-        job = _StageJob(work)
+        job = _StageJob(work, token, collective=method == STAGE_COLLECTIVE_METHOD)
         self._rs_job = job
         threading.Thread(target=job.run, name="rs-stage", daemon=True).start()
         return {"started": True, "bytes": nbytes}
 
-    def rs_stage_poll(self) -> dict[str, Any]:
-        """``{"done": False}`` while the background stage runs; once it ended, ``{"done": True,
-        "bytes", "seconds"}`` with its result staged, or its error raised (nothing staged), or
-        ``{"done": True, "fallback": why}`` (memory ran out: the refit stages this engine inside
-        its pause)."""
+    def rs_stage_poll(self, token: str | None = None) -> dict[str, Any]:
+        """``{"done": False}`` while the background stage of refit ``token`` runs; once it ended,
+        ``{"done": True, "bytes", "seconds"}`` with its result staged, or its error raised (nothing
+        staged), or ``{"done": True, "fallback": why}`` (a path or file stage out of memory: the
+        refit stages this engine inside its pause). Asked again, it answers the same (the workers
+        of one engine are polled together until all are done)."""
         job = getattr(self, "_rs_job", None)
-        if job is None:
-            raise RuntimeError("no background stage under way (discarded, or never begun)")
+        if job is None or job.token != token:
+            raise RuntimeError(f"no background stage of refit {token} here (discarded, superseded, or never begun)")
         if not job.finished.is_set():
             return {"done": False}
-        self._rs_job = None
-        if isinstance(job.error, (MemoryError, StagingFallback)):
-            return {"done": True, "fallback": f"{type(job.error).__name__}: {job.error}"}
         if job.error is not None:
+            if isinstance(job.error, (MemoryError, StagingFallback)) and not job.collective:
+                return {"done": True, "fallback": f"{type(job.error).__name__}: {job.error}"}
             raise job.error
-        self._rs_staged = job.source
+        if not job.installed:
+            job.installed = True
+            self._rs_staged = job.source
         return {"done": True, "bytes": job.source.nbytes, "seconds": job.seconds}
+
+    def _rs_fences(self) -> list[str]:
+        if not hasattr(self, "_rs_fenced"):
+            self._rs_fenced: list[str] = []
+        return self._rs_fenced
 
     def rs_stage_path(self, path: str) -> dict[str, Any]:
         """Checkpoint-directory transport inside the pause: nothing to receive, the load reads the
@@ -286,12 +304,20 @@ class RolloutWorkerExtension:
         save_file({name: t.contiguous() for name, t in current.tensors}, path)
         return {"file": path, "bytes": current.nbytes}
 
-    def rs_discard_staged(self) -> None:
+    def rs_discard_staged(self, token: str | None = None, fence: bool = False) -> None:
         """Drop the staged weights, and a background stage still running (what it receives is
         dropped when it ends; a broadcast it waits on ends by the trainer's trailer or the group's
-        timeout)."""
+        timeout). With ``token``: only if they are refit ``token``'s (a late call of an ended refit
+        leaves a later one alone); ``fence``: refit ``token`` is over here, a begin of it that
+        arrives later is refused (its controller's failure path)."""
         self._rs_state()
+        if token is not None and fence:
+            fences = self._rs_fences()
+            fences.append(token)
+            del fences[:-16]
         job = getattr(self, "_rs_job", None)
+        if token is not None and (job is None or job.token != token):
+            return  # not this refit's (a stage of another refit, or nothing staged in the background)
         if job is not None:
             job.abandon()
             self._rs_job = None
@@ -306,6 +332,7 @@ class RolloutWorkerExtension:
         if staged is None:
             raise RuntimeError("nothing staged to load")
         self._rs_staged = None
+        self._rs_job = None  # (a background stage's job keeps no reference to what is loaded)
         self._rs_previous, self._rs_current = self._rs_current, staged
         t0 = time.perf_counter()
         if fail_after_tensors is not None:
@@ -420,12 +447,16 @@ class StagingFallback(RuntimeError):
 
 
 class _StageJob:
-    """One background stage: runs ``work`` (returns a :class:`_Source`) in a worker thread."""
+    """One background stage of refit ``token``: runs ``work`` (returns a :class:`_Source`) in a
+    worker thread; the poll that finds it done installs the source (``installed``)."""
 
-    def __init__(self, work):
+    def __init__(self, work, token: str | None, collective: bool = False):
         import threading
 
         self.work = work
+        self.token = token
+        self.collective = collective
+        self.installed = False
         self.finished = threading.Event()
         self.abandoned = False
         self.source: _Source | None = None
@@ -455,15 +486,26 @@ def _checkpoint_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
-def _read_checkpoint(path: str) -> _Source:
-    """A checkpoint directory's tensors read into memory (it stays the source's path)."""
+def _checkpoint_files(path: str) -> list[str]:
+    """The safetensors files vLLM's loader would read from a checkpoint directory (those its
+    ``model.safetensors.index.json`` names, when it has one)."""
     import glob
 
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        from vllm.model_executor.model_loader.weight_utils import filter_duplicate_safetensors_files
+
+        files = filter_duplicate_safetensors_files(files, path, "model.safetensors.index.json")
+    return files
+
+
+def _read_checkpoint(path: str) -> _Source:
+    """A checkpoint directory's tensors read into memory (it stays the source's path)."""
     from safetensors.torch import load_file
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = _checkpoint_files(path)
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in the checkpoint directory {path}")
+        raise StagingFallback(f"no *.safetensors in the checkpoint directory {path}")
     tensors: list[tuple[str, Any]] = []
     for file in files:
         tensors += list(load_file(file).items())
