@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollout_service.weights.collective import free_port, open_group, plan_for_state_dict, send_buckets
+from rollout_service.weights.staging import deadline_passed, host_deadline
 from rollout_service.weights.worker_extension import RolloutWorkerExtension
 
 
@@ -67,9 +68,12 @@ def test_a_late_call_of_an_ended_refit_never_touches_the_current_one(tiny_model_
         worker.rs_stage_begin("rs_stage_path", [str(tiny_model_dir)], token="a")
     assert worker._rs_staged is not None  # (the refused begin discarded nothing)
     with pytest.raises(TimeoutError, match="past its deadline"):
-        worker.rs_stage_begin("rs_stage_path", [str(tiny_model_dir)], token="c", not_after=time.monotonic() - 1)
+        worker.rs_stage_begin("rs_stage_path", [str(tiny_model_dir)], token="c", not_after=host_deadline(-1))
     worker.rs_discard_staged(token="b")
     assert worker._rs_staged is None
+    # A deadline is the monotonic clock of its host: another host's is never taken as passed.
+    assert deadline_passed(host_deadline(-1)) and not deadline_passed(host_deadline(60))
+    assert not deadline_passed(["another-host", 0.0]) and not deadline_passed(None)
 
 
 def _until_done_token(worker, token: str, timeout_s: float = 30.0) -> dict:

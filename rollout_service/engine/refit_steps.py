@@ -23,6 +23,8 @@ import asyncio
 import time
 from typing import Any
 
+from rollout_service.weights.staging import host_deadline
+
 STEPS = ("transfer", "load", "label")  # refit_apply's steps, in order (the names a refit report uses)
 STAGE_COLLECTIVE = "rs_stage_collective"  # the worker methods that stage a refit's weights
 STAGE_PATH = "rs_stage_path"
@@ -90,7 +92,7 @@ class RefitSteps:
             else:
                 method, args = stage["rpc"], list(stage.get("args") or ())
             began = await asyncio.wait_for(self.collective_rpc(
-                "rs_stage_begin", args=(method, args, budget_bytes, token, deadline), timeout=left()), left())
+                "rs_stage_begin", args=(method, args, budget_bytes, token, host_deadline(left())), timeout=left()), left())
             out["bytes"] = max((b.get("bytes", 0) for b in began), default=0)
             # One worker that cannot is enough: the engine stages inside (what the others began is
             # discarded below).

@@ -106,6 +106,7 @@ class SimulatedWorker:
         self.job: dict[str, Any] | None = None  # a background stage (rs_stage_begin)
         self.pending: list = []  # a state dict the actor resolved for it (object_store_stage)
         self.fences: list[str] = []  # refits whose failure path ran here (a late begin of one is refused)
+        self.lock = threading.Lock()
         self.half_loaded = False  # a load failed part-way: the weights are neither old nor new
 
     def rs_weights_checksum(self) -> str:
@@ -144,11 +145,16 @@ class SimulatedWorker:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {path}")
         self.previous = None
+        self.rs_discard_staged()  # (and a background stage left by an ended refit)
         self.staged = _Weights(_digest_path(path), path=path)
         nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
         return {"bytes": nbytes, "seconds": 0.0}
 
     def rs_discard_staged(self, token: str | None = None, fence: bool = False) -> None:
+        with self.lock:  # (collective_rpc runs these in threads: a discard and a begin may overlap)
+            self._discard(token, fence)
+
+    def _discard(self, token: str | None, fence: bool) -> None:
         if token is not None and fence:
             self.fences = [*self.fences, token][-16:]
         if token is not None and (self.job is None or self.job["token"] != token):
@@ -159,15 +165,22 @@ class SimulatedWorker:
             job["abandoned"] = True
 
     def rs_stage_begin(self, method: str, args: list, budget_bytes: int | None = None, token: str | None = None,
-                       not_after: float | None = None) -> dict[str, Any]:
+                       not_after: Any = None) -> dict[str, Any]:
         """A stage in a background thread, as the real worker's (the thread computes, the poll
         installs): ``method`` is one of the staging methods (``sim_object``: the state dict the
         actor resolved, ``object_store_stage``)."""
+        with self.lock:
+            return self._begin(method, args, budget_bytes, token, not_after)
+
+    def _begin(self, method: str, args: list, budget_bytes: int | None, token: str | None,
+               not_after: Any) -> dict[str, Any]:
+        from rollout_service.weights.staging import deadline_passed
+
         if token is not None and token in self.fences:
             raise RuntimeError(f"refit {token} already ended on this engine (its failure path ran here)")
-        if not_after is not None and time.monotonic() > not_after:
+        if deadline_passed(not_after):
             raise TimeoutError(f"refit {token}: the stage began past its deadline")
-        self.rs_discard_staged()
+        self._discard(None, False)
         self.previous = None  # a backup a failed commit left: never rolled back to now
         if method == "rs_stage_collective":
             from rollout_service.weights.collective import BucketPlan
@@ -248,7 +261,7 @@ class SimulatedWorker:
         self.previous = None
 
     def rs_rollback(self) -> dict[str, Any]:
-        self.staged = None
+        self.rs_discard_staged()
         if self.previous is None:
             return {"reloaded": False}
         self.current, self.previous, self.half_loaded = self.previous, None, False

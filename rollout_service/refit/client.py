@@ -258,7 +258,8 @@ class TrainerClient(NcclTrainer):
                 try:
                     if self._group is not None:  # before any byte is sent: is the group still whole?
                         await aget(self.controller.check_weight_sync.remote(), 60)
-                    return await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
+                    report = await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
+                    return {**report, "weight_sync_reformed": None}
                 except WeightSyncNotInitialized as exc:
                     if not self._reform_after(exc):
                         raise
@@ -267,7 +268,8 @@ class TrainerClient(NcclTrainer):
                     report = await self._arefit_collective(version, params, clear, timeout, on_bucket, bucket)
                     return {**report, "weight_sync_reformed": str(exc)}
             transfer = await asyncio.to_thread(_staged_transfer, params, transport)
-            return await aget(self._start(version, transfer, clear, timeout), trainer_wait_s(timeout))
+            report = await aget(self._start(version, transfer, clear, timeout), trainer_wait_s(timeout))
+            return {**report, "weight_sync_reformed": None}
         finally:
             self._lock.release()
 

@@ -148,7 +148,10 @@ class ThreePhaseRefit:
                     return None
                 return reached[slot] is not None, reached[slot] in ("load", "label")
 
-            report.rolled_back = await self._roll_back_failed_refit(view, previous, undo, timeout, report, token)
+            # Before any apply, what an engine holds is this refit's stage ahead (discarded by its token, and
+            # the refit fenced: a late begin of it is refused); from the apply on, whatever it staged.
+            report.rolled_back = await self._roll_back_failed_refit(view, previous, undo, timeout, report,
+                                                                    None if applying else token)
         finally:
             left = [e for e in paused if id(e) not in resumed]
             if left:

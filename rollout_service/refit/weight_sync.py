@@ -45,10 +45,12 @@ class WeightSyncGroups:
         ranks = await asyncio.wait_for(asyncio.gather(*calls), timeout=timeout)
         self._weight_sync = {"host": host, "port": port, "group": group_name, "world_size": world, "timeout_s": timeout,
                              "epoch": view.epoch, "members": [list(m.key) for m in view.members]}
+        self._weight_sync_closed = False
         return [r for per_engine in ranks for r in per_engine]
 
     async def close_weight_sync(self) -> None:
         self._weight_sync = None
+        self._weight_sync_closed = True  # on purpose: a trainer's client does not form it again by itself
         await self.fleet.fan_out.remote("collective_rpc", "rs_weight_sync_close")
 
     async def check_weight_sync(self) -> None:
@@ -59,6 +61,9 @@ class WeightSyncGroups:
     def _check_weight_sync(self, view: FleetView) -> None:
         """The gloo group has a rank per engine worker: it is only usable by the members it was built with."""
         if self._weight_sync is None:
+            if getattr(self, "_weight_sync_closed", False):
+                raise WeightSyncNotInitialized("the weight-sync group was closed (close_weight_sync): call "
+                                               "init_weight_sync again")
             raise WeightSyncNotInitialized(GROUP_UNKNOWN)
         if self._weight_sync["members"] != [list(m.key) for m in view.members]:
             before = self._weight_sync["epoch"]

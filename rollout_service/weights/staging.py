@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import time
 import uuid
 from typing import Any
 
@@ -87,6 +88,30 @@ async def stage_state_dict_ref(replica, refs: list, timeout_s: float | None) -> 
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # not Linux: no host identity, the deadline is not checked across processes
+        return ""
+
+
+def host_deadline(seconds: float) -> list:
+    """A deadline another process of this host can check (``[boot id, time.monotonic() + seconds]``:
+    the monotonic clock is one per host; a worker on another node, or one that cannot tell its
+    host, does not check it)."""
+    return [_boot_id(), time.monotonic() + seconds]
+
+
+def deadline_passed(deadline) -> bool:
+    """Whether a :func:`host_deadline` has passed, as seen from this process (False when it is
+    another host's, or None)."""
+    if not deadline:
+        return False
+    boot, at = deadline
+    return bool(boot) and boot == _boot_id() and time.monotonic() > at
 
 
 async def object_store_stage(refs: list) -> tuple[str, list]:

@@ -208,11 +208,11 @@ class RolloutWorkerExtension:
     # it is, makes what it received the staged source. The model is not touched until the refit
     # pauses and loads it (rs_load_staged). Every call names its refit (``token``): a late call of
     # a refit that already ended (its controller gave up on this engine, or another engine failed
-    # first) never touches a later refit's state; a begin past ``not_after`` (a time.monotonic()
-    # deadline: the engine actor's, on this host) or of a fenced refit (its failure path ran
-    # here) is refused.
+    # first) never touches a later refit's state; a begin past ``not_after`` (the engine actor's
+    # deadline) or of a fenced refit (its failure path ran
+    # here) is refused (``not_after``: :func:`rollout_service.weights.staging.host_deadline`).
     def rs_stage_begin(self, method: str, args: list, budget_bytes: int | None = None, token: str | None = None,
-                       not_after: float | None = None) -> dict[str, Any]:
+                       not_after: Any = None) -> dict[str, Any]:
         """Start staging as ``method(*args)`` would (a staging method of this class), in a thread.
         Returns ``{"started": True, "bytes": n}``, or ``{"started": False, "fallback": why}`` when
         this engine stages inside the refit's pause instead: a second copy of ``n`` bytes over
@@ -223,7 +223,9 @@ class RolloutWorkerExtension:
 
         if token is not None and token in self._rs_fences():
             raise RuntimeError(f"refit {token} already ended on this engine (its failure path ran here)")
-        if not_after is not None and time.monotonic() > not_after:
+        from rollout_service.weights.staging import deadline_passed
+
+        if deadline_passed(not_after):
             raise TimeoutError(f"refit {token}: the stage began past its deadline")
         self._rs_new_round()
         self.rs_discard_staged()
@@ -284,6 +286,7 @@ class RolloutWorkerExtension:
         files (an overlapped stage reads them beforehand: ``rs_stage_begin``)."""
         self._rs_new_round()
         nbytes = _checkpoint_bytes(path)
+        self.rs_discard_staged()  # (and a background stage left by an ended refit)
         self._rs_staged = _Source(path=path)
         return {"bytes": nbytes, "seconds": 0.0}
 
@@ -350,8 +353,7 @@ class RolloutWorkerExtension:
     def rs_rollback(self) -> dict[str, Any]:
         """Reload the weights that were current before the last ``rs_load_staged`` (no-op if none)."""
         self._rs_state()
-        self._rs_drop(self._rs_staged)
-        self._rs_staged = None
+        self.rs_discard_staged()
         previous = self._rs_previous
         if previous is None:
             return {"reloaded": False}
