@@ -40,6 +40,7 @@ MODELS = {
     "tiny": None,  # hidden 64, 2 layers: ~20M params
     "50m": {"hidden_size": 160, "intermediate_size": 640},
     "200m": {"hidden_size": 640, "intermediate_size": 2560},
+    "1.5g": {"hidden_size": 1024, "intermediate_size": 4096},  # ~1.4 GB of float32 (bench_staging.py)
 }
 
 
@@ -203,27 +204,38 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     args = ap.parse_args(argv)
 
+    transports = tuple(t.strip() for t in args.transports.split(","))
+    run_over_models(args, "bench-refit-", lambda size, root: bench_one(
+        size, root, args.repeats, args.bucket_mb * 1024 * 1024, transports), table)
+    return 0
+
+
+def run_over_models(args, prefix: str, bench, table) -> list[dict]:
+    """Local Ray, then ``bench(size, root)`` for each of ``args.sizes`` (models built under
+    ``args.models_dir``, or a temporary directory removed after); each result printed as JSON,
+    then the machine and ``table(results)``; the results written to ``args.out`` if given."""
     from rollout_service.ops.runtime import start_local_ray
 
     start_local_ray()
-    root = Path(args.models_dir) if args.models_dir else Path(tempfile.mkdtemp(prefix="bench-refit-"))
+    root = Path(args.models_dir) if args.models_dir else Path(tempfile.mkdtemp(prefix=prefix))
     root.mkdir(parents=True, exist_ok=True)
     results = []
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
     try:
         for size in args.sizes.split(","):
-            r = bench_one(size.strip(), root, args.repeats, args.bucket_mb * 1024 * 1024,
-                          tuple(t.strip() for t in args.transports.split(",")))
+            r = bench(size.strip(), root)
             print(json.dumps(r), flush=True)
             results.append(r)
     finally:
         if not args.models_dir:
             shutil.rmtree(root, ignore_errors=True)
     print()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {sys.version.split()[0]}")
+    print(f"started {started}; machine: {platform.machine()}, {os.cpu_count()} cores, python "
+          f"{sys.version.split()[0]}; load average {os.getloadavg()}")
     print(table(results))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

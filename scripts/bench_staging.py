@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,18 +32,9 @@ from rollout_service.ops.runtime import apply_local_env  # noqa: E402
 
 apply_local_env()
 
-MODELS = {
-    "tiny": None,  # hidden 64, 2 layers: 78 MB of float32
-    "1.5g": {"hidden_size": 1024, "intermediate_size": 4096},  # ~1.4 GB of float32 (mostly the embeddings)
-}
-
-
-def model_dir(size: str, root: Path) -> Path:
-    from rollout_service.models.tiny_model import build_tiny_model, ensure_tiny_model
-
-    if MODELS[size] is None:
-        return ensure_tiny_model()
-    return build_tiny_model(root / f"qwen3-{size}", config_overrides=MODELS[size])
+# The models (tiny, 1.5g) and the run over them are bench_refit.py's (this folder).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_refit import model_dir, run_over_models  # noqa: E402
 
 
 class Streams:
@@ -204,28 +191,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the raw results as JSON here")
     args = ap.parse_args(argv)
 
-    from rollout_service.ops.runtime import start_local_ray
-
-    start_local_ray()
-    root = Path(args.models_dir) if args.models_dir else Path(tempfile.mkdtemp(prefix="bench-staging-"))
-    root.mkdir(parents=True, exist_ok=True)
-    results = []
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
-    try:
-        for size in args.sizes.split(","):
-            r = bench_one(size.strip(), root, args.repeats, tuple(t.strip() for t in args.transports.split(",")),
-                          args.streams, args.idle_s)
-            print(json.dumps(r), flush=True)
-            results.append(r)
-    finally:
-        if not args.models_dir:
-            shutil.rmtree(root, ignore_errors=True)
-    print()
-    print(f"started {started}; machine: {platform.machine()}, {os.cpu_count()} cores, python {sys.version.split()[0]}; "
-          f"load average {os.getloadavg()}")
-    print(table(results))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    transports = tuple(t.strip() for t in args.transports.split(","))
+    run_over_models(args, "bench-staging-", lambda size, root: bench_one(
+        size, root, args.repeats, transports, args.streams, args.idle_s), table)
     return 0
 
 
