@@ -203,6 +203,19 @@ async def drained(canary, expected: int, timeout: float = 120.0) -> dict:
         await asyncio.sleep(0.1)
 
 
+async def both_idle(client, canary, timeout: float = 60.0) -> None:
+    """Until the canary re-scores nothing and the fleet's last probes saw no request on either engine:
+    the routing's loads then are this client's own calls only (a re-scoring on one engine, or a probe
+    that saw one, would send both calls of a pair to the other)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        view = await client.refresh()
+        if canary.idle() and len(view.members) == 2 and all(m.load == 0 for m in view.members):
+            return
+        assert time.monotonic() < deadline, f"the engines did not go idle: {[(m.slot, m.load) for m in view.members]}"
+        await asyncio.sleep(0.1)
+
+
 def prompt_of(tokenizer, i: int) -> list[int]:
     return tokenizer(f"Question {i}: list the colours of the rainbow and say why the sky is blue.")["input_ids"]
 
@@ -250,6 +263,7 @@ async def test_an_engine_left_on_other_weights_is_caught(fleet_rig, tiny_tokeniz
         stale = next(m for m in rig.runner.fleet.members() if m.slot == 1)
         await stale.handle.collective_rpc.remote("rs_reload_from_path", (str(tiny_model_dir),))
         for i in range(0, 8, 2):  # two at a time: least-loaded routing puts one on each engine
+            await both_idle(rig.runner.fleet, canary)
             await asyncio.gather(*(complete(runner, prompt_of(tiny_tokenizer, 200 + j), {"seed": j}) for j in (i, i + 1)))
         st = await drained(canary, 8)
     finally:
