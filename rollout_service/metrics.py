@@ -145,7 +145,7 @@ METRICS: tuple[MetricDef, ...] = (
     _m("canary_checked_total", "counter", "Generations the parity canary re-scored and compared, by the engine slot "
        "that sampled them (`engine`).", ("engine",)),
     _m("canary_skipped_total", "counter", "Generations drawn by the canary but not compared, by reason "
-       "(canary.recompute.SKIP_REASONS: version_moved, temperature_without_top_k, queue_full, ...).", ("reason",)),
+       "(canary.recompute.SKIP_REASONS: version_moved, penalties, queue_full, ...).", ("reason",)),
     _m("canary_abs_diff", "histogram", "|sampled logprob - teacher-forced recompute| per compared token, by the "
        "engine slot that sampled it.", ("engine",), ABS_DIFF_BUCKETS),
     _m("canary_tokens_total", "counter", "Tokens the canary compared, by engine slot.", ("engine",)),

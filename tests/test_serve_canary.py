@@ -86,8 +86,9 @@ def test_a_serve_app_counts_every_generation_in_status_and_on_the_metrics_scrape
                 reply = chat(rid, messages, seed=i)
                 chat(rid, messages + [{"role": "assistant", "content": reply["content"]},
                                       {"role": "user", "content": "More."}], seed=i)
-            for i in range(2):  # temperature 0.7 without top_k: cannot be recomputed, skipped by name
-                chat(f"canary-{uuid.uuid4().hex[:8]}", [{"role": "user", "content": "Hi."}], temperature=0.7, seed=i)
+            for i in range(2):  # a frequency penalty: cannot be recomputed from the logits alone, skipped by name
+                chat(f"canary-{uuid.uuid4().hex[:8]}", [{"role": "user", "content": "Hi."}], frequency_penalty=0.3,
+                     seed=i)
             r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": "nope"})  # no generation
             assert r.status_code == 400
 
@@ -102,7 +103,7 @@ def test_a_serve_app_counts_every_generation_in_status_and_on_the_metrics_scrape
         print({k: canary[k] for k in ("checked", "skipped", "tokens", "max_abs_diff", "mean_abs_diff",
                                       "token_mult_prob_error")})
         assert canary["enabled"] and canary["sample_fraction"] == 1.0
-        assert canary["checked"] == 6 and canary["skipped"] == {"temperature_without_top_k": 2}
+        assert canary["checked"] == 6 and canary["skipped"] == {"penalties": 2}
         tokens = sum(generated[:6])
         assert 0 <= canary["max_abs_diff"] <= PARITY and canary["tokens"] == tokens
         (engine,) = canary["by_engine"]
@@ -112,7 +113,7 @@ def test_a_serve_app_counts_every_generation_in_status_and_on_the_metrics_scrape
         assert abs(engine["token_mult_prob_error"] - 1.0) <= 2 * PARITY and engine["share_above_threshold"] == 0.0
         text = format_status(status, base)
         print(text)
-        assert "parity canary: on (sample fraction 1.0), 6 generations checked, 2 skipped (temperature_without_top_k 2)" in text
+        assert "parity canary: on (sample fraction 1.0), 6 generations checked, 2 skipped (penalties 2)" in text
         assert any(line.startswith("0 ") and status["weight_version"] in line for line in text.splitlines()[-2:])
 
         def moved(after, name, **labels):
@@ -123,7 +124,7 @@ def test_a_serve_app_counts_every_generation_in_status_and_on_the_metrics_scrape
         while True:  # Ray exports every few seconds: wait for the records to reach the scrape
             after = _scrape(scrape_url)
             got = {"checked": moved(after, "canary_checked_total", engine="0"),
-                   "skipped": moved(after, "canary_skipped_total", reason="temperature_without_top_k"),
+                   "skipped": moved(after, "canary_skipped_total", reason="penalties"),
                    "tokens": moved(after, "canary_tokens_total", engine="0"),
                    "abs_diff_count": moved(after, "canary_abs_diff_count", engine="0"),
                    "mult_count": moved(after, "canary_token_mult_prob_error_count", engine="0"),

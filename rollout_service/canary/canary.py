@@ -8,7 +8,8 @@ forcing (:meth:`~rollout_service.engine.scoring.Scoring.score`: one prefill, vLL
 on another serving engine when there is one (``canary.score_on``), checks that the engine holds the
 version that sampled the generation's last token, recomputes the processed logprob of every
 generated token under the generation's own sampling parameters
-(:mod:`rollout_service.canary.recompute`) and counts |Δ| against what the engine returned when it
+(:mod:`rollout_service.canary.recompute`; where that needs every logit, the scoring engine's worker
+computes it over the whole vocabulary) and counts |Δ| against what the engine returned when it
 sampled (:class:`~rollout_service.canary.stats.CanaryStats`, the metrics). A generation a refit
 landed in is compared on the tokens of its last version: those over pure KV count as any (the
 scorer holds exactly their weights), those over KV an older version computed (``kv_version``,
@@ -31,10 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_service.canary.recompute import plan, processed
+from rollout_service.canary.recompute import WHOLE_TOLERANCE, WHOLE_VOCABULARY, plan, processed
 from rollout_service.canary.stats import CanaryStats
 from rollout_service.config import CanaryConfig
-from rollout_service.engine.types import ScoreRequest, kv_spans
+from rollout_service.engine.types import Processing, ScoreRequest, kv_spans
 from rollout_service.metrics import get_metrics
 from rollout_service.training.parity import DIFF_CAP
 
@@ -161,8 +162,12 @@ class Canary:
         member = self._scorer(gen.slot)
         if member is None:
             return "no_engine"
+        s = gen.sampling
+        whole = num_top == WHOLE_VOCABULARY
         request = ScoreRequest(token_ids=list(gen.prompt_ids) + list(gen.token_ids), start=len(gen.prompt_ids),
-                               num_top=num_top)
+                               num_top=0 if whole else num_top,
+                               processing=Processing(s.temperature, max(s.top_k, 0), s.top_p, s.min_p,
+                                                     WHOLE_TOLERANCE) if whole else None)
         ref = member.handle.score.remote(request)
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.config.score_timeout_s)
@@ -183,9 +188,10 @@ class Canary:
         return await asyncio.to_thread(self._compare, gen, version, member.slot, result, spans)
 
     def _compare(self, gen: Generation, version: str, scored_on: int, result, spans) -> str | None:
-        recomputed = processed(gen.sampling, result.logprobs, result.top_logprobs)
-        if isinstance(recomputed, str):
-            return recomputed
+        if result.processed is not None:
+            recomputed = result.processed  # the engine's worker processed the whole vocabulary
+        else:
+            recomputed = processed(gen.sampling, result.logprobs, result.top_logprobs)
         behaviour = gen.logprobs[: len(recomputed)]
         if len(spans) > 1:  # a refit landed in it: its last version's tokens, pure and mixed apart
             pure = [i for v, s, e, kv in spans if v == version and kv == version for i in range(s, e)

@@ -7,6 +7,10 @@ the prefix cache. That is the recompute the parity canary (:mod:`rollout_service
 with the logprobs the engine returned when it sampled: a different kernel path (prefill vs decode),
 another batch, and no cache.
 
+With ``ScoreRequest.processing`` the worker also computes each token's processed logprob over the
+whole vocabulary (:mod:`rollout_service.weights.worker_scoring`: the request names itself in
+``extra_args``, the engine collects the values by ``collective_rpc`` once the prefill ended).
+
 A mixin of :class:`~rollout_service.engine.replica.EngineReplica` (its ``_engine``, ``config``,
 ``index`` and weight label).
 """
@@ -14,8 +18,10 @@ A mixin of :class:`~rollout_service.engine.replica.EngineReplica` (its ``_engine
 from __future__ import annotations
 
 import contextlib
+from dataclasses import asdict
 
 from rollout_service.engine.types import EngineUnavailable, ScoreRequest, ScoreResult
+from rollout_service.weights.worker_scoring import EXTRA_ARG
 
 
 class Scoring:
@@ -34,6 +40,12 @@ class Scoring:
             return ScoreResult(weight_version=self._version, engine_index=self.index)
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=request.num_top, flat_logprobs=True,
                                 detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        if request.processing is not None:
+            if getattr(self, "_scoring_tapped", None) is None:
+                self._scoring_tapped = all(await llm.collective_rpc("rs_scoring_tap"))
+            if not self._scoring_tapped:  # a model runner the worker cannot tap (Model Runner V2)
+                return ScoreResult(weight_version=self._version, engine_index=self.index, supported=False)
+            params.extra_args = {EXTRA_ARG: {"key": request.request_id, **asdict(request.processing)}}
         version = self._version
         final = None
         finished = False
@@ -57,6 +69,14 @@ class Scoring:
             ranks.append(flat.ranks[a])
             if tops is not None:
                 tops.append(list(flat.logprobs[a + 1:b]))
+        processed = None
+        if request.processing is not None:
+            taken = [x for x in await llm.collective_rpc("rs_take_processed", args=(request.request_id,))
+                     if x is not None]
+            if not taken or len(taken[0]) != len(ids) - 1:
+                raise EngineUnavailable(f"engine {self.index}: scoring request {request.request_id} ended without "
+                                        f"its processed logprobs")
+            processed = taken[0][start - 1:]
         same = version == self._version
         return ScoreResult(weight_version=version if same else None, logprobs=lps, ranks=ranks, top_logprobs=tops,
-                           engine_index=self.index)
+                           processed=processed, engine_index=self.index)

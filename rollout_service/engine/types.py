@@ -70,16 +70,33 @@ class GenerationChunk:
         )
 
 
+@dataclass(frozen=True)
+class Processing:
+    """A sampler's processing of the logits (vLLM's order: temperature, min-p, top-k, top-p), for a
+    score computed over the whole vocabulary. ``tolerance``: a top-p decision closer than this to p
+    is left undecided (None)."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    tolerance: float = 0.0
+
+
 @dataclass
 class ScoreRequest:
     """Teacher forcing: the logprob of each of ``token_ids[start:]`` given the ids before it, from one
     prefill (no sampling; the prefix cache is not read). ``num_top``: also the ``num_top`` highest
     logprobs at each of those positions (descending). All raw (the model's log-softmax, before
-    temperature, top-k or top-p): the caller derives the processed value it needs."""
+    temperature, top-k or top-p): the caller derives the processed value it needs. ``processing``:
+    also each token's logprob after that processing, computed by the engine's worker over the whole
+    vocabulary (what a few top logprobs cannot give: a temperature's normaliser, a top-p or min-p
+    over every token)."""
 
     token_ids: list[int]
     start: int
     num_top: int = 0
+    processing: Processing | None = None
     request_id: str = field(default_factory=lambda: "score-" + uuid.uuid4().hex)
 
 
@@ -95,6 +112,7 @@ class ScoreResult:
     logprobs: list[float] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
     top_logprobs: list[list[float]] | None = None
+    processed: list[float | None] | None = None  # with ScoreRequest.processing: one per scored token
     engine_index: int = 0
     supported: bool = True
 

@@ -28,6 +28,8 @@ import os
 import time
 from typing import Any
 
+from rollout_service.weights.worker_scoring import ScoringWorker
+
 # The staging methods of this class that a background stage (rs_stage_begin) runs the work of.
 STAGE_COLLECTIVE_METHOD = "rs_stage_collective"
 STAGE_PATH_METHOD = "rs_stage_path"
@@ -61,8 +63,9 @@ class _InjectedLoadFault(RuntimeError):
     pass
 
 
-class RolloutWorkerExtension:
-    """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner`` etc.)."""
+class RolloutWorkerExtension(ScoringWorker):
+    """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner`` etc.). The
+    canary's scoring methods come from :class:`~rollout_service.weights.worker_scoring.ScoringWorker`."""
 
     # ---------------------------------------------------------------- diagnostics
     def rs_weights_checksum(self) -> str:
