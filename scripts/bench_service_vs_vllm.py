@@ -221,6 +221,8 @@ def vllm_cli_args(engine_cfg, model: str, port: int, reasoning_parser: str | Non
         args += ["--max-num-batched-tokens", str(max(c.max_model_len, 2048))]
     if c.head_dtype:
         args += ["--hf-overrides", json.dumps({"head_dtype": c.head_dtype})]
+    if c.compact_structured_json:  # as the service's engine (engine/replica.py): no free whitespace in JSON
+        args += ["--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
     if reasoning_parser:  # the service's chat.reasoning_parser (its default)
         # The service splits reasoning with this parser on every call; vLLM's server does the same work.
         args += ["--reasoning-parser", reasoning_parser]

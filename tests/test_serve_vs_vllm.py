@@ -72,7 +72,18 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("completion_prompts", C, {**cmpl, "prompt": [PROMPT, "Once upon a time"], "n": 2}),
         Case("completion_prompts_stream", C, {**cmpl, "prompt": [[785, 6722, 315], [9707, 11]], "stream": True,
                                               "stream_options": {"include_usage": True}}),
+        Case("completion_structured_choice", C, {**cmpl, "structured_outputs": {"choice": ["Paris", "London"]},
+                                                 "logprobs": 1}, expect="constrained"),
+        Case("completion_structured_regex_stream", C, {**cmpl, "structured_outputs": {"regex": "[a-z]{3} [0-9]{2}"},
+                                                       "stream": True}, expect="constrained"),
+        Case("completion_structured_two_kinds", C, {**cmpl, "structured_outputs": {"choice": ["a"], "regex": "b"}}),
         Case("chat", H, chat),
+        Case("chat_structured_choice", H, {**chat, "structured_outputs": {"choice": ["yes", "no"]}, "logprobs": True}),
+        Case("chat_structured_json", H, {**chat, "max_tokens": 24, "structured_outputs": {"json": {
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}),
+        Case("chat_structured_regex_stream", H, {**chat, "structured_outputs": {"regex": "[a-z]{2}-[0-9]{3}"},
+                                                 "stream": True, "stream_options": {"include_usage": True}}),
+        Case("chat_structured_two_kinds", H, {**chat, "structured_outputs": {"choice": ["a"], "regex": "b"}}),
         # under a rollout id: a group of rollouts (R/0, R/1, ...), answered as vLLM answers n
         Case("chat_n", H, {**chat, "n": 3, "logprobs": True}),
         Case("chat_n_stream", H, {**chat, "n": 2, "stream": True, "stream_options": {"include_usage": True}}),
@@ -173,6 +184,18 @@ def test_the_service_answers_as_vllms_own_server(service, vllm_side, name, under
         assert choice["message"]["content"] == "" and choice["message"]["tool_calls"], choice
         assert {c["function"]["name"] for c in choice["message"]["tool_calls"]} == {"get_weather"}
         assert choice["finish_reason"] == ("stop" if named else "tool_calls"), choice
+        return
+    if case.expect == "constrained":
+        import re
+
+        assert answers[name].status == ours.status == 200, ours.body
+        spec = case.body["structured_outputs"]
+        if ours.chunks is not None:
+            text = "".join(c["choices"][0]["text"] for c in ours.chunks if c.get("choices"))
+        else:
+            text = ours.body["choices"][0]["text"]
+            assert len(ours.body["choices"][0]["logprobs"]["tokens"]) == ours.body["usage"]["completion_tokens"]
+        assert text in spec["choice"] if "choice" in spec else re.fullmatch(spec["regex"], text), text
         return
     diffs = differences(answers[name], ours)
     assert not diffs, "\n".join(diffs)

@@ -33,7 +33,10 @@ class Case:
     headers: dict[str, str] = field(default_factory=dict)
     # "same": the service answers as vLLM does; "forced_call": the service samples a forced tool call
     # under its compact grammar (docs/data-plane.md), so the answer follows vLLM's rules for a forced
-    # call (content "", the calls parsed, the finish reason) rather than its text.
+    # call (content "", the calls parsed, the finish reason) rather than its text. "constrained": vLLM's
+    # server with a reasoning parser holds a completion's grammar back until the reasoning ends (a plain
+    # prompt never ends it, so the grammar is ignored); the service applies it from the first token,
+    # and the answer is checked against the constraint.
     expect: str = "same"
 
 

@@ -190,6 +190,7 @@ def structured_outputs_for(
     response_format: dict[str, Any] | None = None,
     strict_level: str = "auto",
     max_json_whitespace: int | None = None,
+    structured_outputs: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """The grammar vLLM's own server would sample this call under, as ``StructuredOutputsParams``
     fields (``None``: unconstrained).
@@ -198,30 +199,72 @@ def structured_outputs_for(
     structural tag when the parser has one (Hermes / Qwen: ``<tool_call>{...}</tool_call>``) for a
     forced ``tool_choice``, for ``parallel_tool_calls: false``, for strict tools or a raised
     ``strict_level``; vLLM's JSON-schema form for parsers without one; ``response_format``
-    otherwise (or combined with the tool calls' tag for ``tool_choice: auto``).
+    otherwise (or combined with the tool calls' tag for ``tool_choice: auto``); the request's own
+    ``structured_outputs`` (vLLM's field) as vLLM merges it with ``response_format``.
     ``max_json_whitespace`` bounds the whitespace between JSON tokens inside a structural tag (the
     engine's ``disable_any_whitespace`` does not reach into tags; a weak policy fills an unbounded
     one with newlines). Raises
     ``pydantic.ValidationError`` / ``ValueError`` for a ``response_format`` vLLM refuses.
     """
-    if not tools and response_format is None:
+    if not tools and response_format is None and structured_outputs is None:
         return None
     if tools and tool_choice not in (None, "auto", "none"):
         # A forced call's arguments follow the tool's parameters schema (as in the JSON form), unless
         # the tool says ``strict: false``: vLLM pins a schema only for strict tools.
         tools = [_strict_unless_said(t) for t in tools]
     tokenizer = vllm_tokenizer(tokenizer)
-    request = _call_request(tools, tool_choice, parallel_tool_calls, response_format=response_format)
+    extra = {} if structured_outputs is None else {"structured_outputs": structured_outputs}
+    request = _call_request(tools, tool_choice, parallel_tool_calls, response_format=response_format, **extra)
     if tool_parser and tools:
         parser = parser_class(reasoning_parser, tool_parser, TokenizerKey(tokenizer), strict_level)(tokenizer, request.tools)
         request = parser.adjust_request(request)
-    params = request.extract_structured_outputs()
-    if params is None:
+    out = _params_dict(request.extract_structured_outputs())
+    if out is None:
         return None
-    fields = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-    out = {f: getattr(params, f) for f in fields if getattr(params, f) is not None}
     if max_json_whitespace is not None and out.get("structural_tag"):
         out["structural_tag"] = _bound_json_whitespace(out["structural_tag"], max_json_whitespace)
+    return out
+
+
+def completion_structured_outputs(structured_outputs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A completions request's ``structured_outputs`` as vLLM's server reads it (its request model's
+    rules: one kind of constraint, a valid structural tag), as ``StructuredOutputsParams`` fields.
+    Raises ``pydantic.ValidationError`` / ``ValueError`` where vLLM answers 400."""
+    if structured_outputs is None:
+        return None
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    request = CompletionRequest(model="rollout-service", prompt="-", structured_outputs=structured_outputs)
+    return _params_dict(request.extract_structured_outputs())
+
+
+def vllm_error_param(exc: Exception) -> str | None:
+    """The ``param`` vLLM's server names for a request its models refused with ``exc``: the
+    parameter a ``VLLMValidationError`` names (raised as is through pydantic: none, if it names
+    none), else the first error's location under ``body``."""
+    from vllm.exceptions import VLLMValidationError
+
+    if isinstance(exc, VLLMValidationError):
+        return exc.parameter
+    errors = exc.errors() if callable(getattr(exc, "errors", None)) else []
+    for err in errors:
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, VLLMValidationError) and inner.parameter:
+            return inner.parameter
+    loc = [str(p) for p in (errors[0].get("loc") or ())] if errors else []
+    return ".".join(["body", *[p for p in loc if not p.startswith("function-")]])
+
+
+_PARAMS_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "whitespace_pattern")
+_PARAMS_FLAGS = ("disable_any_whitespace", "disable_additional_properties")
+
+
+def _params_dict(params) -> dict[str, Any] | None:
+    """vLLM's ``StructuredOutputsParams`` as the fields the engine takes back (what is set)."""
+    if params is None:
+        return None
+    out = {f: getattr(params, f) for f in _PARAMS_FIELDS if getattr(params, f) is not None}
+    out.update({f: True for f in _PARAMS_FLAGS if getattr(params, f)})
     return out
 
 

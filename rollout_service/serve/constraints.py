@@ -13,7 +13,7 @@ import uuid
 from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.onpolicy.parsing import structured_outputs_for, tool_parser_raises_strictness
+from rollout_service.onpolicy.parsing import structured_outputs_for, tool_parser_raises_strictness, vllm_error_param
 from rollout_service.serve.protocol.openai import ServiceError, bad_request
 from rollout_service.serve.turn_types import TurnRequest
 
@@ -34,10 +34,10 @@ class Constraints:
     def grammar(self, req: TurnRequest) -> dict[str, Any] | None:
         """The grammar vLLM's server would use for this call: the tool parser's own tool-call format
         (structural tag) for a forced ``tool_choice``, ``response_format``, strict tools."""
-        if not req.tools and req.response_format is None:
+        if not req.tools and req.response_format is None and req.structured_outputs is None:
             return None
         ec = self.config.chat
-        if (req.response_format is None and req.tool_choice.mode in ("auto", "none") and ec.tool_strict_level == "auto"
+        if (req.response_format is None and req.structured_outputs is None and req.tool_choice.mode in ("auto", "none") and ec.tool_strict_level == "auto"
                 and req.parallel_tool_calls is not False
                 and not any((t.get("function") or {}).get("strict") is True for t in req.tools or [])
                 and not tool_parser_raises_strictness(ec.tool_parser)):
@@ -50,9 +50,12 @@ class Constraints:
                 tool_parser=ec.tool_parser if req.tool_choice.mode != "none" else None,
                 tools=req.tools, tool_choice=vllm_tool_choice(req), parallel_tool_calls=req.parallel_tool_calls,
                 response_format=req.response_format, strict_level=ec.tool_strict_level,
-                max_json_whitespace=1 if self.config.engine.compact_structured_json else None)
+                max_json_whitespace=1 if self.config.engine.compact_structured_json else None,
+                structured_outputs=req.structured_outputs)
         except (ValueError, TypeError, VLLMClientError) as exc:  # pydantic's ValidationError is a ValueError;
             # vLLM's own (a json_schema format without a schema: "none are specified")
+            if req.structured_outputs is not None:  # named as vLLM's server names it
+                raise bad_request(f"structured_outputs: {_first_error(exc)}", param=vllm_error_param(exc)) from None
             raise bad_request(f"response_format: {_first_error(exc)}", param="response_format",
                               code="invalid_response_format") from None
 
@@ -64,7 +67,8 @@ async def name_the_grammar(chunks, req: TurnRequest):
             yield chunk
     except ServiceError as exc:
         if exc.code == "engine_rejected_request" and exc.param is None:
-            exc.param = "response_format" if req.response_format is not None else "tools"
+            exc.param = ("response_format" if req.response_format is not None else
+                         "structured_outputs" if req.structured_outputs is not None else "tools")
         raise
     finally:
         await chunks.aclose()  # an abandoned call cancels its engine request at once

@@ -60,6 +60,8 @@ class TurnRequest:
     # Chat-completions form ({"type": "json_object"} / {"type": "json_schema", "json_schema": {...}});
     # the Responses dialect converts its ``text.format`` to it.
     response_format: dict[str, Any] | None = None
+    # vLLM's structured_outputs field as sent (merged with response_format as vLLM merges them).
+    structured_outputs: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # Answer from the store if this exact call is already stored, whatever service.retry_policy says
     # (a forwarded turn run where it arrived: its owner may have stored it). Not part of the digest.
@@ -92,6 +94,8 @@ class TurnRequest:
             body["required_prefix_token_ids"] = self.required_prefix_token_ids
         if self.response_format is not None:
             body["response_format"] = self.response_format
+        if self.structured_outputs is not None:
+            body["structured_outputs"] = self.structured_outputs
         if self.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = self.parallel_tool_calls
         if self.prompt_token_ids is not None:
@@ -113,6 +117,7 @@ class CompletionCall:
     echo: bool = False  # the answer's text (and logprobs) start with the prompt's
     echo_text: bool = True  # with echo: the prompt's text too (vLLM leaves it out with return_token_ids)
     discard_output: bool = False  # echo with max_tokens 0: one token generated and left out, as vLLM does
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams fields, as vLLM read them
 
 
 @dataclass

@@ -519,7 +519,7 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
         bad = next((t for t in ids_in if not (0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise bad_request(f"prompt token id {bad} is out of range (vocabulary size {self.vocab_size})", param="prompt")
-        sampling = self._sampling(call.sampling, call.top_logprobs)
+        sampling = self._sampling(call.sampling, call.top_logprobs, call.structured_outputs)
         max_tokens = self._max_tokens(call.max_tokens, len(ids_in))
         echo = ({"text": "" if not call.echo_text else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids_in),
                  "first_token": self.tokenizer.decode([ids_in[0]])} if call.echo else None)

@@ -105,6 +105,7 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
         want_token_strs=bool(req.logprobs) and not req.return_tokens_as_token_ids,
         required_prefix_token_ids=req.required_prefix_token_ids,
         response_format=response_format_dict(req.response_format),
+        structured_outputs=req.structured_outputs,
         parallel_tool_calls=req.parallel_tool_calls,
     )
 

@@ -14,6 +14,7 @@ from openai.types import completion as co
 from openai.types import completion_choice as cc
 from openai.types.completion_usage import CompletionUsage
 
+from rollout_service.onpolicy.parsing import completion_structured_outputs, vllm_error_param
 from rollout_service.serve.protocol.openai import COMPLETION_UNHONOURED, CompletionRequest, ServiceError, refuse_unhonoured
 from rollout_service.serve.dialects.common import clamped, error_event, usage_of
 
@@ -55,9 +56,17 @@ def call(req: CompletionRequest) -> CompletionCall:
     discard = bool(req.echo) and max_tokens == 0  # vLLM: generate one token, return only the prompt
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         sampling["prompt_logprobs"] = req.logprobs  # vLLM: echoed logprobs cover the prompt too
+    from vllm.exceptions import VLLMClientError
+
+    try:
+        structured = completion_structured_outputs(req.structured_outputs)
+    except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's request model refused it: 400, as vLLM names it
+        raise ServiceError(400, f"structured_outputs: {' '.join(str(exc).split())[:300]}",
+                           param=vllm_error_param(exc)) from None
     return CompletionCall(prompt=req.prompt, sampling=sampling, max_tokens=1 if discard else max_tokens,
                           top_logprobs=req.logprobs or 0, stream=req.stream, want_token_strs=req.logprobs is not None,
-                          echo=bool(req.echo), echo_text=not req.return_token_ids, discard_output=discard)
+                          echo=bool(req.echo), echo_text=not req.return_token_ids, discard_output=discard,
+                          structured_outputs=structured)
 
 
 def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> CompletionLogprobs:

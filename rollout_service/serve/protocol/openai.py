@@ -239,7 +239,8 @@ _SAMPLER = "changes the sampling distribution, so the returned logprobs would no
 _PROMPT = "the prompt is the rollout's own tokens, built by the service's chat template from the messages"
 _OUTPUT = "the service does not return it"
 _ENGINE = "the service schedules and caches engine requests itself"
-_STRUCTURED = "use response_format (chat) / text.format (Responses) or tool_choice for constrained output"
+_STRUCTURED = ("use structured_outputs or response_format (chat) / text.format (Responses) or tool_choice for "
+               "constrained output")
 
 
 def _rule(why: str, *inert: Any) -> tuple[tuple[Any, ...], str]:
@@ -259,7 +260,6 @@ _COMMON_UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": _rule("one sample per call (each sample of a rollout is its own rollout id)", 1),
     "use_beam_search": _rule("beam search is not sampling from the policy", False),
     "length_penalty": _rule("beam search is not sampling from the policy", 1, 1.0),
-    "structured_outputs": _rule(_STRUCTURED),
     "guided_json": _rule(_STRUCTURED),
     "guided_regex": _rule(_STRUCTURED),
     "guided_choice": _rule(_STRUCTURED),
@@ -321,6 +321,7 @@ RESPONSES_UNHONOURED = {
     "enable_response_messages": _rule(_OUTPUT, False),
     "previous_input_messages": _rule("send the full input", []),
     "prompt_logprobs": _rule(_OUTPUT + " (chat completions and completions return it)"),
+    "structured_outputs": _rule("use text.format (chat completions and completions take structured_outputs)"),
 }
 # Responses' include: what the service has of each output is already in it; these ask for more.
 # reasoning.encrypted_content: reasoning is returned as plain text anyway;
@@ -438,6 +439,9 @@ class GenerationFields(SamplingFields):
     stream_options: dict[str, Any] | None = None
     return_token_ids: StrictBool | None = None
     prompt_logprobs: StrictInt | None = None
+    # vLLM's StructuredOutputsParams fields (json, regex, choice, grammar, json_object, structural_tag,
+    # whitespace options); checked by vLLM's own request model where the dialect builds the grammar.
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _stream_rules(self):
