@@ -138,6 +138,36 @@ def test_what_cannot_be_recomputed_is_named():
     for sampling in (dict(temperature=0.7), dict(top_p=0.9), dict(min_p=0.1), dict(temperature=0.7, top_k=50)):
         assert plan(SamplingOptions.validated(**sampling), 0) == WHOLE_VOCABULARY, sampling
         assert plan(SamplingOptions.validated(**sampling), 20) == WHOLE_VOCABULARY, sampling
+    # engines that cannot (Model Runner V2): what the top logprobs give, the rest named
+    cannot = {"min_p": dict(min_p=0.1), "temperature_without_top_k": dict(temperature=0.7),
+              "top_k_above_limit": dict(temperature=0.7, top_k=50)}
+    for reason, sampling in cannot.items():
+        assert reason in SKIP_REASONS
+        assert plan(SamplingOptions.validated(**sampling), 20, whole_vocabulary=False) == reason, reason
+    assert plan(SamplingOptions.validated(temperature=0.7, top_k=5), 20, whole_vocabulary=False) == 6
+    assert plan(SamplingOptions.validated(top_p=0.9), 20, whole_vocabulary=False) == 20
+    assert plan(SamplingOptions.validated(top_p=0.9), 0, whole_vocabulary=False) == "nucleus_beyond_top_k"
+    flat = [math.log(1 / 1000)] * 20  # T = 1 with top-p: a nucleus beyond the top logprobs cannot be known
+    assert processed(SamplingOptions.validated(top_p=0.9), [flat[0]], [flat]) == "nucleus_beyond_top_k"
+    assert "whole_vocabulary_unavailable" in SKIP_REASONS
+
+
+def test_a_cut_too_close_to_call_over_the_whole_vocabulary_is_left_out():
+    """A top-k cut between equal logits, a token on the min-p threshold: None, not a value or -inf
+    (vLLM decides them over the decode step's logits, which may fall on the other side)."""
+    from rollout_service.canary.recompute import WHOLE_TOLERANCE
+    from rollout_service.weights.worker_scoring import processed_rows
+
+    logits = torch.tensor([[5.0, 3.0, 3.0, 0.0], [5.0, 3.0, 2.0, 0.0]])
+    targets = torch.tensor([0, 0])
+    assert processed_rows(logits, targets, 1.0, 2, 1.0, 0.0, WHOLE_TOLERANCE)[0] is None  # tie at the cut
+    assert processed_rows(logits, targets, 1.0, 2, 1.0, 0.0, WHOLE_TOLERANCE)[1] is not None
+    on_threshold = torch.tensor([[0.0, math.log(0.5), -9.0, -9.0]])  # p(1) / p(0) = 0.5 = min_p exactly
+    assert processed_rows(on_threshold, targets[:1], 1.0, 0, 1.0, 0.5, WHOLE_TOLERANCE) == [None]
+    clear = processed_rows(on_threshold, targets[:1], 1.0, 0, 1.0, 0.3, WHOLE_TOLERANCE)[0]
+    assert clear == pytest.approx(-math.log(1.5), abs=1e-6)  # min-p 0.3 keeps tokens 0 and 1
+    assert processed_rows(logits, targets, 1.0, 4, 1.0, 0.0, WHOLE_TOLERANCE) == processed_rows(
+        logits, targets, 1.0, 0, 1.0, 0.0, WHOLE_TOLERANCE)  # a top-k of the whole vocabulary is off
 
 
 def test_figures_merge_exactly_across_replicas():

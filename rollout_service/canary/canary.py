@@ -70,6 +70,7 @@ class Canary:
         self.replica_id = replica_id
         self.max_top = max_top
         self.logprobs_mode = logprobs_mode
+        self.whole_vocabulary = True  # False once a scoring engine could not process the whole vocabulary
         self.rng = rng or random.Random()
         self._window: dict[int, collections.deque] = {}  # slot -> (time, max |Δ|, sum |Δ|, tokens) per check
         self._window_lock = threading.Lock()  # the metrics' refresher thread reads the windows
@@ -99,7 +100,7 @@ class Canary:
             self._start()
             if len(gen.prompt_ids) + len(gen.token_ids) > self.config.max_score_tokens:
                 return self._skip("too_long")
-            num_top = plan(gen.sampling, self.max_top, self.logprobs_mode)
+            num_top = plan(gen.sampling, self.max_top, self.logprobs_mode, self.whole_vocabulary)
             if isinstance(num_top, str):
                 return self._skip(num_top)
             self.queue.put_nowait((gen, num_top))
@@ -177,6 +178,12 @@ class Canary:
         except Exception as exc:
             logger.info("canary: re-scoring on engine slot %d failed: %s", member.slot, exc)
             return "score_failed"
+        if not result.whole_vocabulary:  # from now on, what the top logprobs give (recompute.plan)
+            if self.whole_vocabulary:
+                logger.warning("canary: engine slot %d cannot process the whole vocabulary; settings that need it "
+                               "are skipped from now on", member.slot)
+            self.whole_vocabulary = False
+            return "whole_vocabulary_unavailable"
         if not result.supported:
             return "engine_cannot_score"
         if result.weight_version != version:
@@ -192,6 +199,8 @@ class Canary:
             recomputed = result.processed  # the engine's worker processed the whole vocabulary
         else:
             recomputed = processed(gen.sampling, result.logprobs, result.top_logprobs)
+            if isinstance(recomputed, str):
+                return recomputed
         behaviour = gen.logprobs[: len(recomputed)]
         if len(spans) > 1:  # a refit landed in it: its last version's tokens, pure and mixed apart
             pure = [i for v, s, e, kv in spans if v == version and kv == version for i in range(s, e)

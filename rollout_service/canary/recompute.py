@@ -40,18 +40,22 @@ WHOLE_TOLERANCE = 1e-6
 SKIP_REASONS = (
     "queue_full", "structured_output", "penalties", "tiny_temperature", "logits_mode", "too_long",
     "version_moved", "migrated", "no_engine", "engine_cannot_score", "score_failed", "score_timeout", "empty",
+    # only where the scoring engines cannot process the whole vocabulary (plan(whole_vocabulary=False)):
+    "whole_vocabulary_unavailable", "min_p", "temperature_without_top_k", "top_k_above_limit", "nucleus_beyond_top_k",
 )
 WHOLE_VOCABULARY = -1  # plan(): the engine computes the processed logprobs over the whole vocabulary
 LOGPROB_MODES = ("processed_logprobs", "raw_logprobs")  # engine.logprobs_mode values that return logprobs
 
 
-def plan(sampling, max_top: int, logprobs_mode: str = "processed_logprobs") -> int | str:
+def plan(sampling, max_top: int, logprobs_mode: str = "processed_logprobs", whole_vocabulary: bool = True) -> int | str:
     """How many raw top logprobs per position the recompute of a generation sampled with ``sampling``
     (:class:`~rollout_service.engine.sampling.SamplingOptions`) needs, :data:`WHOLE_VOCABULARY` when
     the engine must process the whole vocabulary itself, or the reason it cannot be recomputed.
     ``max_top``: the most the engine returns (its ``max_logprobs``); top-k = k asks for k + 1 where it
     can, to see a tie at the cut. ``logprobs_mode``: the engine's (in a logits mode it returns logits,
-    and its prompt scores are logits too: nothing to compare)."""
+    and its prompt scores are logits too: nothing to compare). ``whole_vocabulary``: False where the
+    scoring engines cannot process the whole vocabulary (vLLM's Model Runner V2): then only what the
+    top logprobs give is compared (T = 1 with top-p where the nucleus lies inside them)."""
     if logprobs_mode not in LOGPROB_MODES:
         return "logits_mode"
     if sampling.structured_outputs:
@@ -65,31 +69,45 @@ def plan(sampling, max_top: int, logprobs_mode: str = "processed_logprobs") -> i
     top_k = sampling.top_k if sampling.top_k > 0 else 0
     if top_k and sampling.min_p == 0 and top_k <= max_top:
         return min(top_k + 1, max_top)
-    if top_k or sampling.min_p > 0 or sampling.temperature != 1.0 or sampling.top_p < 1.0:
+    if whole_vocabulary and (top_k or sampling.min_p > 0 or sampling.temperature != 1.0 or sampling.top_p < 1.0):
         return WHOLE_VOCABULARY
+    if sampling.min_p > 0:
+        return "min_p"
+    if top_k:
+        return "top_k_above_limit"
+    if sampling.temperature != 1.0:
+        return "temperature_without_top_k"
+    if sampling.top_p < 1.0:
+        return max_top if max_top > 0 else "nucleus_beyond_top_k"
     return 0
 
 
-def processed(sampling, logprobs: Sequence[float], tops: Sequence[Sequence[float]] | None) -> list[float | None]:
+def processed(sampling, logprobs: Sequence[float], tops: Sequence[Sequence[float]] | None) -> list[float | None] | str:
     """The processed logprob of each scored token (``logprobs`` raw, ``tops`` the raw top logprobs per
-    position, descending, as :func:`plan` asked for a top-k). A token the processing drops gets -inf
-    (it could not have been sampled); a position whose kept set cannot be known for sure (a tie at the
-    top-k cut, a top-p decision within :data:`NUCLEUS_TOLERANCE` of p) gets None."""
+    position, descending, as :func:`plan` asked), or the skip reason. A token the processing drops
+    gets -inf (it could not have been sampled); a position whose kept set cannot be known for sure (a
+    tie at the top-k cut, a top-p decision within :data:`NUCLEUS_TOLERANCE` of p) gets None."""
     top_k = sampling.top_k if sampling.top_k > 0 else 0
     t, p = sampling.temperature, sampling.top_p
     if t < GREEDY_EPS or (t == 1.0 and not top_k and p >= 1.0 and sampling.min_p == 0):
         return [float(x) for x in logprobs]
-    if tops is None or not top_k:
-        raise ValueError("the recompute of this sampling needs the top logprobs of a top-k per position")
+    if tops is None:
+        raise ValueError("the recompute of this sampling needs the top logprobs per position")
     out: list[float | None] = []
     for lp, top in zip(logprobs, tops):
-        if len(top) > top_k and top[top_k] == top[top_k - 1]:
-            out.append(None)  # a tie at the cut: vLLM's CPU path keeps both, its GPU path one of them
-            continue
-        scaled = [x / t for x in top[:top_k]]
-        z = _logsumexp(scaled)
-        kept = len(scaled) if p >= 1.0 else _nucleus([x - z for x in scaled], p)
-        me = lp / t
+        if top_k:
+            if len(top) > top_k and top[top_k] == top[top_k - 1]:
+                out.append(None)  # a tie at the cut: vLLM's CPU path keeps both, its GPU path one of them
+                continue
+            scaled = [x / t for x in top[:top_k]]
+            z = _logsumexp(scaled)
+            kept = len(scaled) if p >= 1.0 else _nucleus([x - z for x in scaled], p)
+            me = lp / t
+        else:  # T = 1 (plan(whole_vocabulary=False)): the raw top logprobs are the probabilities themselves
+            if sum(math.exp(x) for x in top) < p + NUCLEUS_TOLERANCE:
+                return "nucleus_beyond_top_k"
+            scaled, me = list(top), lp
+            kept = _nucleus(scaled, p)
         if kept is None:
             out.append(None)
             continue

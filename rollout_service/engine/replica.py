@@ -124,6 +124,7 @@ class EngineReplica(RefitSteps, Scoring):
                 logger.warning("removed %d weight files of engine processes that are gone", removed)
 
             self._llm = AsyncLLM.from_engine_args(self.engine_args(), stat_loggers=engine_stat_loggers())
+            self._scoring_tapped = None  # a new worker: its scoring step is not tapped yet
             await self._llm.update_weight_version(self._version)
             await self._warm_up()
             self._startup_s = time.perf_counter() - t0

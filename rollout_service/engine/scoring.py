@@ -44,7 +44,7 @@ class Scoring:
             if getattr(self, "_scoring_tapped", None) is None:
                 self._scoring_tapped = all(await llm.collective_rpc("rs_scoring_tap"))
             if not self._scoring_tapped:  # a model runner the worker cannot tap (Model Runner V2)
-                return ScoreResult(weight_version=self._version, engine_index=self.index, supported=False)
+                return ScoreResult(weight_version=self._version, engine_index=self.index, whole_vocabulary=False)
             params.extra_args = {EXTRA_ARG: {"key": request.request_id, **asdict(request.processing)}}
         version = self._version
         final = None

@@ -113,6 +113,7 @@ class ScoreResult:
     ranks: list[int] = field(default_factory=list)
     top_logprobs: list[list[float]] | None = None
     processed: list[float | None] | None = None  # with ScoreRequest.processing: one per scored token
+    whole_vocabulary: bool = True  # False: this engine cannot compute ScoreRequest.processing (nothing else set)
     engine_index: int = 0
     supported: bool = True
 
