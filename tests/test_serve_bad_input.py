@@ -404,13 +404,23 @@ ROWS = _rows() + [
       for route in ("chat", "responses", "completions")
       for name, value in (("logit_bias", {"9707": 5}), ("min_tokens", 1), ("allowed_token_ids", [9707]),
                           ("bad_words", ["hello"]), ("best_of", 2), ("use_beam_search", True),
-                          ("structured_outputs", {"regex": "[a-z]+"}), ("guided_regex", "[a-z"),
-                          ("truncate_prompt_tokens", 2), ("priority", 3),
+                          ("guided_regex", "[a-z"), ("priority", 3),
                           ("cache_salt", "tenant-a"), ("vllm_xargs", {"a": 1}), ("thinking_token_budget", 8),
                           ("spaces_between_special_tokens", False))],
     # served on chat and completions as vLLM serves them (tests/test_serve_vs_vllm.py); Responses has them not
     *[p(Bad("responses", {name: value}, param=name, code="unsupported_parameter"), id=f"responses-unhonoured-{name}")
-      for name, value in (("prompt_logprobs", 1), ("include_reasoning", False))],
+      for name, value in (("prompt_logprobs", 1), ("include_reasoning", False),
+                          ("structured_outputs", {"regex": "[a-z]+"}), ("truncate_prompt_tokens", 2))],
+    # a cut prompt is not the rollout's history: refused under a rollout id (served without one)
+    p(Bad("chat", {"truncate_prompt_tokens": 2}, param="truncate_prompt_tokens", code="unsupported_parameter"),
+      id="chat-truncate-under-a-rollout"),
+    *[p(Bad(route, fields, param=param), id=f"{route}-{label}") for route in ("chat", "completions")
+      for label, fields, param in (
+          ("truncate-below-minus-one", {"truncate_prompt_tokens": -2}, "body.truncate_prompt_tokens"),
+          ("truncation-side-unknown", {"truncate_prompt_tokens": 2, "truncation_side": "middle"},
+           "body.truncation_side"))],
+    p(Bad("completions", {"structured_outputs": {"choice": ["a"], "regex": "b"}}, param="structured_outputs"),
+      id="completions-structured-outputs-two-kinds"),
     *[p(Bad(route, fields, param="prompt_logprobs"), id=f"{route}-prompt-logprobs-{label}")
       for route in ("chat", "completions")
       for label, fields in (("below-minus-one", {"prompt_logprobs": -2}), ("over-max", {"prompt_logprobs": 21}),

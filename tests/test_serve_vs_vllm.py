@@ -77,7 +77,25 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("completion_structured_regex_stream", C, {**cmpl, "structured_outputs": {"regex": "[a-z]{3} [0-9]{2}"},
                                                        "stream": True}, expect="constrained"),
         Case("completion_structured_two_kinds", C, {**cmpl, "structured_outputs": {"choice": ["a"], "regex": "b"}}),
+        # a text prompt: vLLM 0.32's server reports the cut prompt's ids but generates from (and echoes) the
+        # whole text; the service generates from the cut prompt (the same ids): checked on the ids
+        Case("completion_truncate", C, {**cmpl, "truncate_prompt_tokens": 3, "return_token_ids": True},
+             expect="cut_text_prompt"),
+        Case("completion_truncate_ids", C, {**cmpl, "prompt": [785, 6722, 315, 9625, 374], "truncate_prompt_tokens": 3,
+                                            "return_token_ids": True}),
+        # (with echo, vLLM's server echoes the whole prompt's text beside the cut prompt's logprobs; the
+        # service echoes the cut prompt: docs/data-plane.md)
+        Case("completion_truncate_ids_right", C, {**cmpl, "prompt": [785, 6722, 315, 9625, 374], "logprobs": 1,
+                                                  "truncate_prompt_tokens": 2, "truncation_side": "right"}),
+        Case("completion_truncate_whole_context", C, {**cmpl, "truncate_prompt_tokens": -1}),
+        Case("completion_truncate_beyond_context", C, {**cmpl, "truncate_prompt_tokens": 10**6}),
+        Case("completion_truncate_below_minus_one", C, {**cmpl, "truncate_prompt_tokens": -2}),
+        Case("completion_truncation_side_unknown", C, {**cmpl, "truncate_prompt_tokens": 3, "truncation_side": "mid"}),
         Case("chat", H, chat),
+        # a truncated prompt is not a rollout's history: under a rollout id, 400 (docs/data-plane.md)
+        Case("chat_truncate_left", H, {**chat, "truncate_prompt_tokens": 7, "truncation_side": "left",
+                                       "return_token_ids": True}, expect="stateless_only"),
+        Case("chat_truncate", H, {**chat, "truncate_prompt_tokens": 5}, expect="stateless_only"),
         Case("chat_structured_choice", H, {**chat, "structured_outputs": {"choice": ["yes", "no"]}, "logprobs": True}),
         Case("chat_structured_json", H, {**chat, "max_tokens": 24, "structured_outputs": {"json": {
             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}),
@@ -184,6 +202,16 @@ def test_the_service_answers_as_vllms_own_server(service, vllm_side, name, under
         assert choice["message"]["content"] == "" and choice["message"]["tool_calls"], choice
         assert {c["function"]["name"] for c in choice["message"]["tool_calls"]} == {"get_weather"}
         assert choice["finish_reason"] == ("stop" if named else "tool_calls"), choice
+        return
+    if case.expect == "stateless_only" and under_rollout:
+        assert ours.status == 400 and ours.error["param"] == "truncate_prompt_tokens", ours.body
+        assert ours.error["code"] == "unsupported_parameter"
+        return
+    if case.expect == "cut_text_prompt":
+        assert answers[name].status == ours.status == 200, ours.body
+        theirs = answers[name].body["choices"][0]
+        assert ours.body["choices"][0]["prompt_token_ids"] == theirs["prompt_token_ids"]
+        assert ours.body["usage"]["prompt_tokens"] == answers[name].body["usage"]["prompt_tokens"]
         return
     if case.expect == "constrained":
         import re

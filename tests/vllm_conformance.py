@@ -36,7 +36,9 @@ class Case:
     # call (content "", the calls parsed, the finish reason) rather than its text. "constrained": vLLM's
     # server with a reasoning parser holds a completion's grammar back until the reasoning ends (a plain
     # prompt never ends it, so the grammar is ignored); the service applies it from the first token,
-    # and the answer is checked against the constraint.
+    # and the answer is checked against the constraint. "stateless_only": the same without a rollout id,
+    # a 400 naming the field under one (a cut prompt is not the rollout's history). "cut_text_prompt": the
+    # same prompt ids and usage (vLLM's server generates from the whole text of a cut text prompt).
     expect: str = "same"
 
 

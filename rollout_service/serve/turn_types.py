@@ -62,6 +62,9 @@ class TurnRequest:
     response_format: dict[str, Any] | None = None
     # vLLM's structured_outputs field as sent (merged with response_format as vLLM merges them).
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's prompt truncation (serve/truncation.py): stateless calls only, not in the digest.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
     parallel_tool_calls: bool | None = None
     # Answer from the store if this exact call is already stored, whatever service.retry_policy says
     # (a forwarded turn run where it arrived: its owner may have stored it). Not part of the digest.
@@ -118,6 +121,9 @@ class CompletionCall:
     echo_text: bool = True  # with echo: the prompt's text too (vLLM leaves it out with return_token_ids)
     discard_output: bool = False  # echo with max_tokens 0: one token generated and left out, as vLLM does
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams fields, as vLLM read them
+    truncate_prompt_tokens: int | None = None  # serve/truncation.py
+    truncation_side: str | None = None
+    max_tokens_given: bool = True  # the request named max_tokens (truncate_prompt_tokens -1 keeps room for one)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import hashlib
 import logging
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from rollout_service.canary.canary import Canary, Generation
@@ -61,6 +61,7 @@ from rollout_service.serve.token_texts import TokenTexts, context_of
 from rollout_service.serve.seams import SeamStops
 from rollout_service.serve.steering import RolloutSteering, StaleRollout
 from rollout_service.serve.streaming import StreamParser
+from rollout_service.serve.truncation import truncated
 from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnRequest, TurnResult
 from rollout_service.store.base import StoreError
 
@@ -379,6 +380,11 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
             if exc.code == "non_monotonic_history":  # history_policy reject refused an edited history
                 get_metrics().turn("reject")
             raise
+        if req.truncate_prompt_tokens is not None and rollout_id is None:  # stateless: nothing is recorded
+            cut = truncated(plan.prompt_ids, req.truncate_prompt_tokens, req.truncation_side,
+                            max_model_len=self.max_model_len, max_tokens=req.max_tokens)
+            if cut is not plan.prompt_ids:
+                plan = replace(plan, prompt_ids=cut, added_prompt_ids=cut, prompt_text=None)
         if tokens_in:  # vLLM's route: no max_tokens means the whole room left in the context
             room = self.max_model_len - len(plan.prompt_ids)
             max_tokens = self._max_tokens(req.max_tokens if req.max_tokens is not None or room < 1 else room,
@@ -516,6 +522,10 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
     async def _run_completion(self, call: CompletionCall) -> AsyncIterator[TokenDelta | TurnResult]:
         prompt = call.prompt
         ids_in = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
+        cut = truncated(ids_in, call.truncate_prompt_tokens, call.truncation_side, max_model_len=self.max_model_len,
+                        max_tokens=call.max_tokens if call.max_tokens_given else None)
+        if cut is not ids_in:  # the prompt is what is left of it, echoed text included
+            prompt = ids_in = cut
         bad = next((t for t in ids_in if not (0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise bad_request(f"prompt token id {bad} is out of range (vocabulary size {self.vocab_size})", param="prompt")

@@ -86,6 +86,10 @@ class RolloutChunk(ch.ChatCompletionChunk):
 def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnRequest:
     refuse_unhonoured(req, CHAT_UNHONOURED)
     headers = headers.with_body_rollout_id(req.metadata)
+    if req.truncate_prompt_tokens is not None and headers.rollout_id is not None:
+        raise ServiceError(400, "truncate_prompt_tokens is not supported under a rollout id: a truncated prompt is not "
+                           "the rollout's history (send the call without a rollout id to truncate)",
+                           param="truncate_prompt_tokens", code="unsupported_parameter")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = tool_choice_of(req.tool_choice, tools)
     return TurnRequest(
@@ -106,6 +110,8 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
         required_prefix_token_ids=req.required_prefix_token_ids,
         response_format=response_format_dict(req.response_format),
         structured_outputs=req.structured_outputs,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        truncation_side=req.truncation_side,
         parallel_tool_calls=req.parallel_tool_calls,
     )
 

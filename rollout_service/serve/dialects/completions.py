@@ -66,7 +66,9 @@ def call(req: CompletionRequest) -> CompletionCall:
     return CompletionCall(prompt=req.prompt, sampling=sampling, max_tokens=1 if discard else max_tokens,
                           top_logprobs=req.logprobs or 0, stream=req.stream, want_token_strs=req.logprobs is not None,
                           echo=bool(req.echo), echo_text=not req.return_token_ids, discard_output=discard,
-                          structured_outputs=structured)
+                          structured_outputs=structured, truncate_prompt_tokens=req.truncate_prompt_tokens,
+                          truncation_side=req.truncation_side,
+                          max_tokens_given=bool(req.max_tokens if "max_tokens" in req.model_fields_set else 16))
 
 
 def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> CompletionLogprobs:

@@ -265,7 +265,6 @@ _COMMON_UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_choice": _rule(_STRUCTURED),
     "guided_grammar": _rule(_STRUCTURED),
     "structural_tag": _rule(_STRUCTURED),
-    "truncate_prompt_tokens": _rule(_PROMPT),
     "logprob_token_ids": _rule(_OUTPUT),
     "return_token_offsets": _rule(_OUTPUT, False),
     "return_prompt_text": _rule(_OUTPUT, False),
@@ -322,6 +321,7 @@ RESPONSES_UNHONOURED = {
     "previous_input_messages": _rule("send the full input", []),
     "prompt_logprobs": _rule(_OUTPUT + " (chat completions and completions return it)"),
     "structured_outputs": _rule("use text.format (chat completions and completions take structured_outputs)"),
+    "truncate_prompt_tokens": _rule(_PROMPT),
 }
 # Responses' include: what the service has of each output is already in it; these ask for more.
 # reasoning.encrypted_content: reasoning is returned as plain text anyway;
@@ -439,9 +439,28 @@ class GenerationFields(SamplingFields):
     stream_options: dict[str, Any] | None = None
     return_token_ids: StrictBool | None = None
     prompt_logprobs: StrictInt | None = None
+    # vLLM's prompt truncation (serve/truncation.py): not under a rollout id
+    truncate_prompt_tokens: StrictInt | None = None
+    truncation_side: str | None = None
     # vLLM's StructuredOutputsParams fields (json, regex, choice, grammar, json_object, structural_tag,
     # whitespace options); checked by vLLM's own request model where the dialect builds the grammar.
     structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation_in_range(cls, v):
+        if v is not None and not -1 <= v <= INT64_MAX:  # vLLM's bounds, named as its server names them
+            raise bad_request(f"truncate_prompt_tokens: Input should be greater than or equal to -1 (got {v})",
+                              param="body.truncate_prompt_tokens")
+        return v
+
+    @field_validator("truncation_side")
+    @classmethod
+    def _truncation_side(cls, v):
+        if v is not None and v not in ("left", "right"):
+            raise bad_request(f"truncation_side: Input should be 'left' or 'right' (got {v!r})",
+                              param="body.truncation_side")
+        return v
 
     @model_validator(mode="after")
     def _stream_rules(self):
