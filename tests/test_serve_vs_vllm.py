@@ -52,6 +52,8 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("completion_logprobs_2", C, {**cmpl, "logprobs": 2}),
         Case("completion_stream", C, {**cmpl, "stream": True}),
         Case("completion_stream_usage", C, {**cmpl, "stream": True, "stream_options": {"include_usage": True}}),
+        Case("completion_stream_continuous_usage", C, {**cmpl, "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}),
         Case("completion_stream_options_without_stream", C, {**cmpl, "stream_options": {"include_usage": True}}),
         Case("completion_seed_out_of_range", C, {**cmpl, "seed": 2**64}),
         Case("completion_logit_bias_out_of_vocab", C, {**cmpl, "logit_bias": {"999999": 1}}),
@@ -114,6 +116,11 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("chat_logprobs", H, {**chat, "logprobs": True, "top_logprobs": 2}),
         Case("chat_stream_usage", H, {**chat, "stream": True, "stream_options": {"include_usage": True}}),
         Case("chat_stream_logprobs", H, {**chat, "stream": True, "logprobs": True, "top_logprobs": 2}),
+        Case("chat_stream_continuous_usage", H, {**chat, "stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}),
+        Case("chat_thinking_stream_continuous_usage", H, {**chat, "chat_template_kwargs": {"enable_thinking": True},
+                                                          "max_tokens": 12, "stream": True, "stream_options": {
+                                                              "include_usage": True, "continuous_usage_stats": True}}),
         Case("chat_stream_options_without_stream", H, {**chat, "stream_options": {"include_usage": True}}),
         Case("chat_stop", H, {**chat, "temperature": 0.0, "max_tokens": 12, "stop": [chat_stop]}),
         Case("chat_stop_included", H, {**chat, "temperature": 0.0, "max_tokens": 12, "stop": [chat_stop],

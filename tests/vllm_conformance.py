@@ -94,7 +94,10 @@ def stream_summary(chunks: list[dict]) -> dict[str, Any]:
             continue
         for choice in chunk.get("choices", []):
             acc = out["choices"].setdefault(str(choice["index"]), {"text": "", "reasoning": "", "token_ids": [],
-                                                                    "logprobs": [], "tool_calls": 0})
+                                                                    "logprobs": [], "tool_calls": 0,
+                                                                    "usage_on_every_chunk": True})
+            # continuous_usage_stats: every chunk carries the usage so far; the last one's is compared
+            acc["usage_on_every_chunk"] &= chunk.get("usage") is not None
             delta = choice.get("delta")
             if delta is not None:  # chat
                 acc["text"] += delta.get("content") or ""
@@ -109,6 +112,7 @@ def stream_summary(chunks: list[dict]) -> dict[str, Any]:
             if choice.get("finish_reason") is not None:
                 acc["finish_reason"] = choice["finish_reason"]
                 acc["stop_reason"] = choice.get("stop_reason")
+                acc["last_chunk_usage"] = chunk.get("usage")
                 last = delta if delta is not None else choice
                 acc["last_chunk_text"] = (last.get("content") if delta is not None else last.get("text")) or ""
     return out

@@ -62,6 +62,9 @@ class TurnRequest:
     response_format: dict[str, Any] | None = None
     # vLLM's structured_outputs field as sent (merged with response_format as vLLM merges them).
     structured_outputs: dict[str, Any] | None = None
+    # stream_options.continuous_usage_stats: each streamed delta carries the reasoning count so far. Not
+    # in the digest.
+    continuous_usage: bool = False
     # vLLM's prompt truncation (serve/truncation.py): stateless calls only, not in the digest.
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
@@ -137,6 +140,8 @@ class TokenDelta:
     content: str = ""
     token_strs: list[dict[int, str]] | None = None  # per position: the sampled id's text and its alternatives'
     prompt_token_ids: list[int] | None = None  # on a call's first delta only (streamed first, as vLLM does)
+    # TurnRequest.continuous_usage: the reasoning parser's count over the ids generated so far
+    reasoning_tokens: int | None = None
 
 
 @dataclass

@@ -427,7 +427,8 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
                                      token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs,
                                                                 context_of(ids, len(chunk.token_ids)))
                                      if req.want_token_strs else None,
-                                     prompt_token_ids=None if prompt_sent else plan.prompt_ids)
+                                     prompt_token_ids=None if prompt_sent else plan.prompt_ids,
+                                     reasoning_tokens=self._reasoning_tokens(ids, req) if req.continuous_usage else None)
                     prompt_sent = True
             elif tokens_in and req.stream and (chunk.token_ids or chunk.finish_reason):
                 yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,

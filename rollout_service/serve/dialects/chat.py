@@ -26,6 +26,8 @@ from rollout_service.serve.protocol.openai import (
 )
 from rollout_service.serve.dialects.common import (
     RolloutHeaders,
+    RunningUsage,
+    continuous_usage,
     allowed_tools,
     error_event,
     sse,
@@ -110,6 +112,7 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
         required_prefix_token_ids=req.required_prefix_token_ids,
         response_format=response_format_dict(req.response_format),
         structured_outputs=req.structured_outputs,
+        continuous_usage=continuous_usage(req),
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         truncation_side=req.truncation_side,
         parallel_tool_calls=req.parallel_tool_calls,
@@ -161,9 +164,11 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     as_ids = bool(req.return_tokens_as_token_ids)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None, prompt=None, **extra) -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None, prompt=None, usage=None, **extra) -> bytes:
         choice = RolloutChunkChoice(index=0, delta=RolloutDelta(**delta), finish_reason=finish, logprobs=logprobs, **extra)
         top = {"prompt_token_ids": prompt} if prompt is not None else {}
+        if usage is not None:  # stream_options.continuous_usage_stats
+            top["usage"] = usage
         body = RolloutChunk(id=cid, object="chat.completion.chunk", created=created, model=model, choices=[choice], **top)
         return _frame(body)
 
@@ -182,8 +187,10 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
                         req.top_logprobs or 0, ch.ChoiceLogprobs) if req.logprobs and not hidden else None)
         return delta, lp, ({"token_ids": event.token_ids} if ids_shown else {})
 
+    running = RunningUsage(first) if continuous_usage(req) else None
     yield chunk({"role": "assistant", "content": ""},
-                prompt=getattr(first, "prompt_token_ids", None) if req.return_token_ids else None)
+                prompt=getattr(first, "prompt_token_ids", None) if req.return_token_ids else None,
+                usage=running.usage(chat=True) if running else None)
     pending: TokenDelta | None = None  # held one event: the last step's text goes out with the finish reason
     event = first
     try:
@@ -191,8 +198,10 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
             if isinstance(event, TokenDelta):
                 if pending is not None:
                     delta, lp, extra = delta_of(pending)
+                    if running:
+                        running.add(pending)
                     if delta or lp or extra:  # as vLLM: a step that completed no text and asks for no metadata sends nothing
-                        yield chunk(delta, logprobs=lp, **extra)
+                        yield chunk(delta, logprobs=lp, usage=running.usage(chat=True) if running else None, **extra)
                 pending = event
             else:
                 result: TurnResult = event
@@ -202,7 +211,8 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
                     delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(result.message["tool_calls"])]
                 for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs", "weight_versions", "rollout"):
                     delta[k] = getattr(result, k)
-                yield chunk(delta, finish=result.finish_reason, logprobs=lp, stop_reason=result.stop_reason, **extra)
+                yield chunk(delta, finish=result.finish_reason, logprobs=lp, stop_reason=result.stop_reason,
+                            usage=running.final(result, chat=True) if running else None, **extra)
                 if (req.stream_options or {}).get("include_usage"):
                     body = RolloutChunk(id=cid, object="chat.completion.chunk", created=created, model=model, choices=[],
                                         usage=usage_of(result, stream=True))

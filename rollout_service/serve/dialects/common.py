@@ -209,6 +209,40 @@ def usage_of(result: Any, *, stream: bool = False) -> CompletionUsage:
     return CompletionUsage(**result.usage, prompt_tokens_details=None, completion_tokens_details=details)
 
 
+def continuous_usage(req: Any) -> bool:
+    """``stream_options.continuous_usage_stats`` (with ``include_usage``, as vLLM reads it) on a stream."""
+    options = req.stream_options or {}
+    return bool(req.stream and options.get("include_usage") and options.get("continuous_usage_stats"))
+
+
+class RunningUsage:
+    """vLLM's usage on every streamed chunk (``continuous_usage_stats``): the prompt's ids, the ids
+    generated so far and, on chat with a reasoning parser, its count of reasoning ids so far."""
+
+    def __init__(self, first: Any):
+        self.prompt = len(getattr(first, "prompt_token_ids", None) or [])
+        self.completion = 0
+        self.reasoning = 0 if getattr(first, "reasoning_tokens", None) is not None else None
+
+    def add(self, delta: Any) -> None:
+        self.completion += len(delta.token_ids)
+        if getattr(delta, "reasoning_tokens", None) is not None:
+            self.reasoning = delta.reasoning_tokens
+
+    def usage(self, chat: bool) -> CompletionUsage:
+        details = {"reasoning_tokens": self.reasoning} if chat and self.reasoning is not None else None
+        return CompletionUsage(prompt_tokens=self.prompt, completion_tokens=self.completion,
+                               total_tokens=self.prompt + self.completion,
+                               **({"completion_tokens_details": details} if details else {}))
+
+    def final(self, result: Any, chat: bool) -> CompletionUsage:
+        """The last chunk's: the call's own counts."""
+        self.prompt, self.completion = result.usage["prompt_tokens"], result.usage["completion_tokens"]
+        if getattr(result, "reasoning_tokens", None) is not None:
+            self.reasoning = result.reasoning_tokens
+        return self.usage(chat)
+
+
 def token_str(strs: dict[int, str] | None, tid: int, as_ids: bool) -> str:
     return f"token_id:{tid}" if as_ids or strs is None else strs.get(tid, "")
 

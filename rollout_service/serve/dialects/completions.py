@@ -16,7 +16,7 @@ from openai.types.completion_usage import CompletionUsage
 
 from rollout_service.onpolicy.parsing import completion_structured_outputs, vllm_error_param
 from rollout_service.serve.protocol.openai import COMPLETION_UNHONOURED, CompletionRequest, ServiceError, refuse_unhonoured
-from rollout_service.serve.dialects.common import clamped, error_event, usage_of
+from rollout_service.serve.dialects.common import RunningUsage, clamped, continuous_usage, error_event, usage_of
 
 error_frame = error_event
 from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnResult
@@ -164,19 +164,23 @@ async def stream(first, events: AsyncIterator, req: CompletionRequest, model: st
             token_ids=(event.token_ids if event is not None else []) if ids_asked else None,
             prompt_token_ids=event.prompt_token_ids if (ids_asked or req.echo) and event is not None else None, **final)
 
+    running = RunningUsage(first) if continuous_usage(req) else None
     pending: TokenDelta | None = None  # held one event: the last step's text goes out with the finish reason
     event = first
     try:
         while True:
             if isinstance(event, TokenDelta):
                 if pending is not None:
-                    yield frame(delta_choice(pending))
+                    if running:
+                        running.add(pending)
+                    yield frame(delta_choice(pending), usage=running.usage(chat=False) if running else None)
                 pending = event
             else:
                 result: TurnResult = event
                 yield frame(delta_choice(pending, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
                                          generation_log_probs=result.generation_log_probs,
-                                         weight_versions=result.weight_versions))
+                                         weight_versions=result.weight_versions),
+                            usage=running.final(result, chat=False) if running else None)
                 pending = None
                 if (req.stream_options or {}).get("include_usage"):
                     yield frame(None, usage=usage_of(result, stream=True))
