@@ -421,6 +421,8 @@ ROWS = _rows() + [
            "body.truncation_side"))],
     p(Bad("completions", {"structured_outputs": {"choice": ["a"], "regex": "b"}}, param="structured_outputs"),
       id="completions-structured-outputs-two-kinds"),
+    p(Bad("completions", {"truncate_prompt_tokens": 0, "echo": True}), id="completions-truncate-to-nothing"),
+    p(Bad("chat", {"truncate_prompt_tokens": 0}, headers={"X-Rollout-Id": None}), id="chat-truncate-to-nothing"),
     *[p(Bad(route, fields, param="prompt_logprobs"), id=f"{route}-prompt-logprobs-{label}")
       for route in ("chat", "completions")
       for label, fields in (("below-minus-one", {"prompt_logprobs": -2}), ("over-max", {"prompt_logprobs": 21}),

@@ -90,6 +90,7 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("completion_truncate_ids_right", C, {**cmpl, "prompt": [785, 6722, 315, 9625, 374], "logprobs": 1,
                                                   "truncate_prompt_tokens": 2, "truncation_side": "right"}),
         Case("completion_truncate_whole_context", C, {**cmpl, "truncate_prompt_tokens": -1}),
+
         Case("completion_truncate_beyond_context", C, {**cmpl, "truncate_prompt_tokens": 10**6}),
         Case("completion_truncate_below_minus_one", C, {**cmpl, "truncate_prompt_tokens": -2}),
         Case("completion_truncation_side_unknown", C, {**cmpl, "truncate_prompt_tokens": 3, "truncation_side": "mid"}),

@@ -246,13 +246,16 @@ def vllm_error_param(exc: Exception) -> str | None:
 
     if isinstance(exc, VLLMValidationError):
         return exc.parameter
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+
     errors = exc.errors() if callable(getattr(exc, "errors", None)) else []
+    if not errors:
+        return None  # vLLM's error response for any other refusal names no parameter
     for err in errors:
         inner = (err.get("ctx") or {}).get("error")
         if isinstance(inner, VLLMValidationError) and inner.parameter:
             return inner.parameter
-    loc = [str(p) for p in (errors[0].get("loc") or ())] if errors else []
-    return ".".join(["body", *[p for p in loc if not p.startswith("function-")]])
+    return clean_loc_for_param(("body", *(err_loc for err_loc in errors[0].get("loc") or ())))
 
 
 _PARAMS_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "whitespace_pattern")

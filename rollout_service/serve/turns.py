@@ -61,7 +61,7 @@ from rollout_service.serve.token_texts import TokenTexts, context_of
 from rollout_service.serve.seams import SeamStops
 from rollout_service.serve.steering import RolloutSteering, StaleRollout
 from rollout_service.serve.streaming import StreamParser
-from rollout_service.serve.truncation import truncated
+from rollout_service.serve.truncation import fitted, truncated
 from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnRequest, TurnResult
 from rollout_service.store.base import StoreError
 
@@ -364,6 +364,8 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
         rollout_id = req.rollout_id
         messages = req.messages
         json_forced = self.constraints.json_forced(req)
+        if json_forced and req.structured_outputs is not None:  # vLLM's rule; here the call's grammar is the tool's
+            raise bad_request("You can only either use constraints for structured outputs or tools, not both.")
         structured = forced_json_schema(req) if json_forced else self.constraints.grammar(req)
         constrained = structured is not None
         # A grammar from the first token (forced call, response_format) leaves no room for a <think>
@@ -385,6 +387,7 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
                             max_model_len=self.max_model_len, max_tokens=req.max_tokens)
             if cut is not plan.prompt_ids:
                 plan = replace(plan, prompt_ids=cut, added_prompt_ids=cut, prompt_text=None)
+            req = replace(req, max_tokens=fitted(req.max_tokens, len(plan.prompt_ids), self.max_model_len))
         if tokens_in:  # vLLM's route: no max_tokens means the whole room left in the context
             room = self.max_model_len - len(plan.prompt_ids)
             max_tokens = self._max_tokens(req.max_tokens if req.max_tokens is not None or room < 1 else room,
@@ -525,13 +528,16 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
         ids_in = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
         cut = truncated(ids_in, call.truncate_prompt_tokens, call.truncation_side, max_model_len=self.max_model_len,
                         max_tokens=call.max_tokens if call.max_tokens_given else None)
+        requested = call.max_tokens
         if cut is not ids_in:  # the prompt is what is left of it, echoed text included
             prompt = ids_in = cut
+        if call.truncate_prompt_tokens is not None:
+            requested = fitted(requested, len(ids_in), self.max_model_len)
         bad = next((t for t in ids_in if not (0 <= t < self.vocab_size)), None)
         if bad is not None:
             raise bad_request(f"prompt token id {bad} is out of range (vocabulary size {self.vocab_size})", param="prompt")
         sampling = self._sampling(call.sampling, call.top_logprobs, call.structured_outputs)
-        max_tokens = self._max_tokens(call.max_tokens, len(ids_in))
+        max_tokens = self._max_tokens(requested, len(ids_in))
         echo = ({"text": "" if not call.echo_text else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids_in),
                  "first_token": self.tokenizer.decode([ids_in[0]])} if call.echo else None)
         decoder = StreamParser(self.tokenizer, reasoning_parser=None, chat_template_kwargs=None, prompt_ids=ids_in,

@@ -88,6 +88,10 @@ class RolloutChunk(ch.ChatCompletionChunk):
 def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnRequest:
     refuse_unhonoured(req, CHAT_UNHONOURED)
     headers = headers.with_body_rollout_id(req.metadata)
+    if req.truncate_prompt_tokens is not None and req.required_prefix_token_ids is not None:
+        raise ServiceError(400, "truncate_prompt_tokens cannot be combined with required_prefix_token_ids (the cut "
+                           "prompt would not start with the prefix)", param="truncate_prompt_tokens",
+                           code="unsupported_parameter")
     if req.truncate_prompt_tokens is not None and headers.rollout_id is not None:
         raise ServiceError(400, "truncate_prompt_tokens is not supported under a rollout id: a truncated prompt is not "
                            "the rollout's history (send the call without a rollout id to truncate)",

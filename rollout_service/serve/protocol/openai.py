@@ -450,7 +450,8 @@ class GenerationFields(SamplingFields):
     @classmethod
     def _truncation_in_range(cls, v):
         if v is not None and not -1 <= v <= INT64_MAX:  # vLLM's bounds, named as its server names them
-            raise bad_request(f"truncate_prompt_tokens: Input should be greater than or equal to -1 (got {v})",
+            bound = "greater than or equal to -1" if v < -1 else f"less than or equal to {INT64_MAX}"
+            raise bad_request(f"truncate_prompt_tokens: Input should be {bound} (got {v})",
                               param="body.truncate_prompt_tokens")
         return v
 
