@@ -422,6 +422,11 @@ ROWS = _rows() + [
     p(Bad("completions", {"structured_outputs": {"choice": ["a"], "regex": "b"}}, param="structured_outputs"),
       id="completions-structured-outputs-two-kinds"),
     p(Bad("completions", {"truncate_prompt_tokens": 0, "echo": True}), id="completions-truncate-to-nothing"),
+    *[p(Bad(route, {"logprobs": logprobs, "logprob_token_ids": ids}, param="logprob_token_ids"),
+        id=f"{route}-logprob-token-ids-{label}") for route, logprobs in (("chat", True), ("completions", 1))
+      for label, ids in (("out-of-vocabulary", [10**7]), ("too-many", list(range(129))))],
+    p(Bad("responses", {"logprob_token_ids": [1]}, param="logprob_token_ids", code="unsupported_parameter"),
+      id="responses-unhonoured-logprob_token_ids"),
     p(Bad("chat", {"truncate_prompt_tokens": 0}, headers={"X-Rollout-Id": None}), id="chat-truncate-to-nothing"),
     *[p(Bad(route, fields, param="prompt_logprobs"), id=f"{route}-prompt-logprobs-{label}")
       for route in ("chat", "completions")

@@ -50,6 +50,7 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("completion_return_token_ids", C, {**cmpl, "return_token_ids": True}),
         Case("completion_logprobs_0", C, {**cmpl, "logprobs": 0}),
         Case("completion_logprobs_2", C, {**cmpl, "logprobs": 2}),
+        Case("completion_logprob_token_ids", C, {**cmpl, "logprobs": 1, "logprob_token_ids": [9707, 11]}),
         Case("completion_stream", C, {**cmpl, "stream": True}),
         Case("completion_stream_usage", C, {**cmpl, "stream": True, "stream_options": {"include_usage": True}}),
         Case("completion_stream_continuous_usage", C, {**cmpl, "stream": True, "stream_options": {
@@ -115,6 +116,10 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("chat_hidden_reasoning", H, {**chat, "chat_template_kwargs": {"enable_thinking": True},
                                           "include_reasoning": False, "logprobs": True, "max_tokens": 12}),
         Case("chat_logprobs", H, {**chat, "logprobs": True, "top_logprobs": 2}),
+        Case("chat_logprob_token_ids", H, {**chat, "logprobs": True, "logprob_token_ids": [9707, 11, 13]}),
+        Case("chat_stream_logprob_token_ids", H, {**chat, "logprobs": True, "logprob_token_ids": [9707, 0],
+                                                  "stream": True}),
+        Case("chat_logprob_token_ids_without_logprobs", H, {**chat, "logprob_token_ids": [9707]}),
         Case("chat_stream_usage", H, {**chat, "stream": True, "stream_options": {"include_usage": True}}),
         Case("chat_stream_logprobs", H, {**chat, "stream": True, "logprobs": True, "top_logprobs": 2}),
         Case("chat_stream_continuous_usage", H, {**chat, "stream": True, "stream_options": {

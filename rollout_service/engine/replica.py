@@ -238,7 +238,7 @@ class EngineReplica(RefitSteps, Scoring):
             async for out in llm.generate(TokensPrompt(**prompt), params, request.request_id):
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
-                lps, tops = _sampled_logprobs(ids, comp.logprobs, want_top)
+                lps, tops = _sampled_logprobs(ids, comp.logprobs, want_top, bool(request.sampling.logprob_token_ids))
                 passed += len(ids)
                 chunk = GenerationChunk(
                     token_ids=ids,
@@ -445,16 +445,19 @@ def _prompt_logprobs(positions) -> list[list[tuple[int, float, int]] | None]:
             for entry in positions]
 
 
-def _sampled_logprobs(ids: list[int], logprobs, want_top: int):
-    """The sampled token's processed logprob per position, plus the top-k alternatives if asked."""
+def _sampled_logprobs(ids: list[int], logprobs, want_top: int, listed: bool = False):
+    """The sampled token's processed logprob per position, plus the top-k alternatives if asked
+    (``listed``: every entry vLLM returned, in its order: the ``logprob_token_ids``)."""
     if logprobs is None:
         raise EngineUnavailable("engine returned no logprobs (logprobs must be requested)")
     out: list[float] = []
-    tops: list[dict[int, float]] | None = [] if want_top else None
+    tops: list[dict[int, float]] | None = [] if want_top or listed else None
     for pos, tid in enumerate(ids):
         entry = logprobs[pos]
         out.append(float(entry[tid].logprob))
-        if tops is not None:
+        if listed:
+            tops.append({int(t): float(lp.logprob) for t, lp in entry.items()})
+        elif tops is not None:
             ranked = sorted(((t, lp) for t, lp in entry.items()), key=lambda kv: kv[1].rank or 0)
             tops.append({int(t): float(lp.logprob) for t, lp in ranked if lp.rank and lp.rank <= want_top})
     return out, tops

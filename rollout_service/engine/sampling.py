@@ -55,6 +55,8 @@ class SamplingOptions(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     top_logprobs: int = 0  # alternatives per position, besides the sampled token's own logprob
+    # vLLM's logprob_token_ids: these ids' logprobs at every position (instead of the top ones)
+    logprob_token_ids: list[int] | None = None
     # vLLM's prompt logprobs: per prompt position (the first has none) the prompt token's raw logprob
     # and the top ``prompt_logprobs`` alternatives (-1: the whole vocabulary); None: not asked.
     prompt_logprobs: int | None = None
@@ -140,6 +142,15 @@ class SamplingOptions(BaseModel):
             if max_top_logprobs != -1 and asked > max_top_logprobs:
                 raise SamplingParamsError("prompt_logprobs", f"Requested prompt logprobs of {asked}, which is greater "
                                                              f"than max allowed: {max_top_logprobs}")
+        if self.logprob_token_ids is not None:  # vLLM's bounds and words (it checks the vocabulary in the engine)
+            if len(self.logprob_token_ids) > 128:
+                raise SamplingParamsError("logprob_token_ids", f"Requested logprob_token_ids of length "
+                                                               f"{len(self.logprob_token_ids)}, which is greater than "
+                                                               "max allowed: 128")
+            bad = [t for t in self.logprob_token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+            if bad:
+                raise SamplingParamsError("logprob_token_ids", f"token_id(s) {bad} in logprob_token_ids are out of "
+                                                               f"vocabulary range [0, {vocab_size})")
         if self.structured_outputs is not None:
             _check_structured_outputs(self.structured_outputs)
         _check_with_vllm(self)
@@ -170,7 +181,8 @@ class SamplingOptions(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            logprobs=self.top_logprobs,
+            logprobs=None if self.logprob_token_ids else self.top_logprobs,
+            logprob_token_ids=list(self.logprob_token_ids) if self.logprob_token_ids else None,
             prompt_logprobs=self.prompt_logprobs,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,

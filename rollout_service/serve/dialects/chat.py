@@ -148,7 +148,7 @@ def response(result: TurnResult, req: ChatCompletionRequest, model: str) -> Roll
     choice = RolloutChoice(
         index=0, message=message, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
         logprobs=_logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
-                           result.token_strs, bool(req.return_tokens_as_token_ids), req.top_logprobs or 0)
+                           result.token_strs, bool(req.return_tokens_as_token_ids), _alternatives(req))
         if req.logprobs and not hidden else None,
         token_ids=result.generation_token_ids if req.return_token_ids and not hidden else None, routed_experts=None,
     )
@@ -188,7 +188,7 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
         if event.content:
             delta["content"] = event.content
         lp = (_logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs, as_ids,
-                        req.top_logprobs or 0, ch.ChoiceLogprobs) if req.logprobs and not hidden else None)
+                        _alternatives(req), ch.ChoiceLogprobs) if req.logprobs and not hidden else None)
         return delta, lp, ({"token_ids": event.token_ids} if ids_shown else {})
 
     running = RunningUsage(first) if continuous_usage(req) else None
@@ -231,6 +231,12 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
             yield chunk(delta, logprobs=lp, **extra)
         yield error_event(exc)
     yield b"data: [DONE]\n\n"
+
+
+def _alternatives(req: ChatCompletionRequest) -> int | None:
+    """How many entries each position's ``top_logprobs`` lists: every one vLLM returned for
+    ``logprob_token_ids`` (the sampled token first), else ``top_logprobs``."""
+    return None if req.logprob_token_ids else req.top_logprobs or 0
 
 
 def _reasoning_hidden(req: ChatCompletionRequest) -> bool:

@@ -71,9 +71,10 @@ def call(req: CompletionRequest) -> CompletionCall:
                           max_tokens_given=bool(req.max_tokens if "max_tokens" in req.model_fields_set else 16))
 
 
-def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> CompletionLogprobs:
+def _logprobs(ids, lps, tops, strs, k: int | None, offset: int = 0) -> CompletionLogprobs:
     """vLLM's completions logprobs: per position the sampled token first, then the top ``k`` by rank
-    (the sampled one once), keyed by their text; ``text_offset`` counts the tokens' text from ``offset``."""
+    (the sampled one once; ``k`` None: every entry, as for ``logprob_token_ids``), keyed by their text;
+    ``text_offset`` counts the tokens' text from ``offset``."""
     strs = strs or [{}] * len(ids)
     tokens = [s.get(t, "") for t, s in zip(ids, strs)]
     offsets = []
@@ -83,7 +84,7 @@ def _logprobs(ids, lps, tops, strs, k: int, offset: int = 0) -> CompletionLogpro
     top_logprobs = []
     for tid, lp, top, s in zip(ids, lps, tops or [None] * len(ids), strs):
         ranked = {tid: lp, **{t: v for t, v in (top or {}).items() if t != tid}}
-        top_logprobs.append({s.get(t, ""): clamped(v) for t, v in list(ranked.items())[:k + 1]})
+        top_logprobs.append({s.get(t, ""): clamped(v) for t, v in list(ranked.items())[:None if k is None else k + 1]})
     return CompletionLogprobs(text_offset=offsets, tokens=tokens, token_logprobs=[clamped(v) for v in lps],
                        top_logprobs=top_logprobs)
 
@@ -126,7 +127,7 @@ def response(result: TurnResult, req: CompletionRequest, model: str) -> RolloutC
         logprobs = _echoed_logprobs(result, req.logprobs)
     else:
         logprobs = _logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
-                             result.token_strs, req.logprobs)
+                             result.token_strs, None if req.logprob_token_ids else req.logprobs)
     choice = RolloutCompletionChoice(
         index=0, text=_text(result, req), finish_reason=result.finish_reason, stop_reason=result.stop_reason,
         logprobs=logprobs,
@@ -156,7 +157,8 @@ async def stream(first, events: AsyncIterator, req: CompletionRequest, model: st
         nonlocal offset
         lp = None
         if event is not None and req.logprobs is not None:
-            lp = _logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs, req.logprobs, offset)
+            lp = _logprobs(event.token_ids, event.logprobs, event.top_logprobs, event.token_strs,
+                           None if req.logprob_token_ids else req.logprobs, offset)
             offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else offset
         return RolloutCompletionChoice(
             index=0, text=event.content if event is not None else "", logprobs=lp,

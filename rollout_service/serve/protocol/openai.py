@@ -265,7 +265,6 @@ _COMMON_UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_choice": _rule(_STRUCTURED),
     "guided_grammar": _rule(_STRUCTURED),
     "structural_tag": _rule(_STRUCTURED),
-    "logprob_token_ids": _rule(_OUTPUT),
     "return_token_offsets": _rule(_OUTPUT, False),
     "return_prompt_text": _rule(_OUTPUT, False),
     "return_mm_kwargs": _rule(_OUTPUT, False),
@@ -322,6 +321,7 @@ RESPONSES_UNHONOURED = {
     "prompt_logprobs": _rule(_OUTPUT + " (chat completions and completions return it)"),
     "structured_outputs": _rule("use text.format (chat completions and completions take structured_outputs)"),
     "truncate_prompt_tokens": _rule(_PROMPT),
+    "logprob_token_ids": _rule(_OUTPUT + " (chat completions and completions return it)"),
 }
 # Responses' include: what the service has of each output is already in it; these ask for more.
 # reasoning.encrypted_content: reasoning is returned as plain text anyway;
@@ -439,6 +439,8 @@ class GenerationFields(SamplingFields):
     stream_options: dict[str, Any] | None = None
     return_token_ids: StrictBool | None = None
     prompt_logprobs: StrictInt | None = None
+    # vLLM's logprob_token_ids: these ids' logprobs at every generated position, instead of the top ones
+    logprob_token_ids: list[StrictInt] | None = None
     # vLLM's prompt truncation (serve/truncation.py): not under a rollout id
     truncate_prompt_tokens: StrictInt | None = None
     truncation_side: str | None = None
@@ -473,6 +475,8 @@ class GenerationFields(SamplingFields):
         kwargs = super().sampling_kwargs()
         if self.prompt_logprobs is not None:
             kwargs["prompt_logprobs"] = self.prompt_logprobs
+        if self.logprob_token_ids:
+            kwargs["logprob_token_ids"] = list(self.logprob_token_ids)
         return kwargs
 
 
@@ -500,6 +504,9 @@ class ChatCompletionRequest(GenerationFields):
     def _checks(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.logprob_token_ids and not self.logprobs:  # vLLM's rule and words
+            raise bad_request("when using `logprob_token_ids`, `logprobs` must be set to true.",
+                              param="logprob_token_ids")
         return self
 
 
