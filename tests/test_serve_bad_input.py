@@ -425,6 +425,10 @@ ROWS = _rows() + [
     *[p(Bad(route, {"logprobs": logprobs, "logprob_token_ids": ids}, param="logprob_token_ids"),
         id=f"{route}-logprob-token-ids-{label}") for route, logprobs in (("chat", True), ("completions", 1))
       for label, ids in (("out-of-vocabulary", [10**7]), ("too-many", list(range(129))))],
+    p(Bad("completions", {"logprob_token_ids": [1]}, param="logprob_token_ids"),
+      id="completions-logprob-token-ids-without-logprobs"),
+    p(Bad("completions", {"logprob_token_ids": [1], "logprobs": 1, "echo": True, "max_tokens": 0},
+          param="logprob_token_ids"), id="completions-logprob-token-ids-echo-nothing-generated"),
     p(Bad("responses", {"logprob_token_ids": [1]}, param="logprob_token_ids", code="unsupported_parameter"),
       id="responses-unhonoured-logprob_token_ids"),
     p(Bad("chat", {"truncate_prompt_tokens": 0}, headers={"X-Rollout-Id": None}), id="chat-truncate-to-nothing"),

@@ -51,6 +51,9 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("completion_logprobs_0", C, {**cmpl, "logprobs": 0}),
         Case("completion_logprobs_2", C, {**cmpl, "logprobs": 2}),
         Case("completion_logprob_token_ids", C, {**cmpl, "logprobs": 1, "logprob_token_ids": [9707, 11]}),
+        Case("completion_logprob_token_ids_echo", C, {**cmpl, "logprobs": 1, "logprob_token_ids": [9707, 11, 13],
+                                                      "echo": True}),
+        Case("completion_logprob_token_ids_without_logprobs", C, {**cmpl, "logprob_token_ids": [9707]}),
         Case("completion_stream", C, {**cmpl, "stream": True}),
         Case("completion_stream_usage", C, {**cmpl, "stream": True, "stream_options": {"include_usage": True}}),
         Case("completion_stream_continuous_usage", C, {**cmpl, "stream": True, "stream_options": {

@@ -149,8 +149,8 @@ class SamplingOptions(BaseModel):
                                                                "max allowed: 128")
             bad = [t for t in self.logprob_token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
             if bad:
-                raise SamplingParamsError("logprob_token_ids", f"token_id(s) {bad} in logprob_token_ids are out of "
-                                                               f"vocabulary range [0, {vocab_size})")
+                raise SamplingParamsError("logprob_token_ids", f"token_id(s) {bad} in logprob_token_ids contain "
+                                                               f"out-of-vocab token ids. Vocabulary size: {vocab_size}")
         if self.structured_outputs is not None:
             _check_structured_outputs(self.structured_outputs)
         _check_with_vllm(self)

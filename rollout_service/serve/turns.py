@@ -364,7 +364,9 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
         rollout_id = req.rollout_id
         messages = req.messages
         json_forced = self.constraints.json_forced(req)
-        if json_forced and req.structured_outputs is not None:  # vLLM's rule; here the call's grammar is the tool's
+        if (json_forced and req.tool_choice.mode == "named" and req.structured_outputs
+                and any(req.structured_outputs.get(k) is not None for k in ("json", "regex", "choice"))):
+            # vLLM's rule (its request model); otherwise the forced call's grammar replaces it, as in vLLM
             raise bad_request("You can only either use constraints for structured outputs or tools, not both.")
         structured = forced_json_schema(req) if json_forced else self.constraints.grammar(req)
         constrained = structured is not None

@@ -228,7 +228,9 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
     except ServiceError as exc:
         if pending is not None:
             delta, lp, extra = delta_of(pending)
-            yield chunk(delta, logprobs=lp, **extra)
+            if running:
+                running.add(pending)
+            yield chunk(delta, logprobs=lp, usage=running.usage(chat=True) if running else None, **extra)
         yield error_event(exc)
     yield b"data: [DONE]\n\n"
 

@@ -89,9 +89,10 @@ def _logprobs(ids, lps, tops, strs, k: int | None, offset: int = 0) -> Completio
                        top_logprobs=top_logprobs)
 
 
-def _echoed_logprobs(result: TurnResult, k: int) -> CompletionLogprobs:
+def _echoed_logprobs(result: TurnResult, k: int, generated_k: int | None) -> CompletionLogprobs:
     """Echo with logprobs, as vLLM: the prompt's positions first (the first without logprobs, named by
-    its text alone), from the prompt logprobs, then the generation's (none with max_tokens 0)."""
+    its text alone), from the prompt logprobs, then the generation's (none with max_tokens 0), with
+    ``generated_k`` alternatives (None: all, as for ``logprob_token_ids``)."""
     prompt_ids = result.prompt_token_ids
     tokens, token_lps, tops = [result.echo["first_token"]], [None], [None]
     for tid, entry in zip(prompt_ids[1:], (result.prompt_logprobs or [None])[1:]):
@@ -101,7 +102,7 @@ def _echoed_logprobs(result: TurnResult, k: int) -> CompletionLogprobs:
         token_lps.append(own["logprob"])
         tops.append({e["decoded_token"]: e["logprob"] for e in list(entry.values())[:k + 1]})
     out = None if result.discard_output else _logprobs(
-        result.generation_token_ids, result.generation_log_probs, result.top_logprobs, result.token_strs, k,
+        result.generation_token_ids, result.generation_log_probs, result.top_logprobs, result.token_strs, generated_k,
         sum(len(t) for t in tokens))
     offsets, offset = [], 0
     for tok in tokens:
@@ -124,7 +125,7 @@ def response(result: TurnResult, req: CompletionRequest, model: str) -> RolloutC
     if req.logprobs is None:
         logprobs = None
     elif result.echo is not None:
-        logprobs = _echoed_logprobs(result, req.logprobs)
+        logprobs = _echoed_logprobs(result, req.logprobs, None if req.logprob_token_ids else req.logprobs)
     else:
         logprobs = _logprobs(result.generation_token_ids, result.generation_log_probs, result.top_logprobs,
                              result.token_strs, None if req.logprob_token_ids else req.logprobs)
@@ -192,6 +193,8 @@ async def stream(first, events: AsyncIterator, req: CompletionRequest, model: st
         pass
     except ServiceError as exc:
         if pending is not None:
-            yield frame(delta_choice(pending))
+            if running:
+                running.add(pending)
+            yield frame(delta_choice(pending), usage=running.usage(chat=False) if running else None)
         yield error_event(exc)
     yield b"data: [DONE]\n\n"

@@ -530,6 +530,11 @@ class CompletionRequest(GenerationFields):
         if self.echo and self.stream and self.logprobs is not None:
             raise bad_request("echo with logprobs is not supported on a stream (the prompt's logprobs are not "
                               "streamed): send stream: false", param="echo", code="unsupported_parameter")
+        if self.logprob_token_ids and self.echo and self.max_tokens == 0:  # vLLM's rules and words
+            raise bad_request("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
+                              "output tokens are generated.", param="logprob_token_ids")
+        if self.logprob_token_ids and self.logprobs is None:
+            raise bad_request("when using `logprob_token_ids`, `logprobs` must be set.", param="logprob_token_ids")
         return self
 
     @field_validator("prompt")
