@@ -23,6 +23,7 @@ FIXTURE_MARKS = {
     "ray_session": ("cluster",),
     "service": ("cluster", "engine", "serve"),
     "fleet_rig": ("cluster", "engine"),
+    "sim_rig": ("cluster",),  # stand-in engines
     "refit_controller": ("cluster", "engine"),
     "raw_prefix_controller": ("cluster", "engine"),
     "placement_probe": ("cluster",),  # its own three-node Ray cluster, in a subprocess
@@ -32,7 +33,7 @@ FIXTURE_MARKS = {
 
 # Tests that share a heavy session fixture run back to back, so it can be released right after its
 # last user (runtime_fixtures.release_after_last_user) instead of idling through the rest.
-GROUPED_FIXTURES = ("fleet_rig", "refit_controller", "raw_prefix_controller")
+GROUPED_FIXTURES = ("sim_rig", "fleet_rig", "refit_controller", "raw_prefix_controller")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

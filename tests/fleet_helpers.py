@@ -163,15 +163,23 @@ def new_rid(tag: str) -> str:
     return f"{tag}-{uuid.uuid4().hex[:8]}"
 
 
-def start_rig(tiny_model_dir, redis_url: str, tokenizer):
-    """Build the rig (sync parts); the caller connects the FleetClient inside its event loop."""
+# The stand-in engines of ``sim_rig`` (engine/simulated.py): real actors and processes, killed by real
+# signals, sampling in a few ms a token, so a fault drill's time is the fleet's, not vLLM's start-up.
+SIM_ENGINE = {"backend": "simulated", "max_num_seqs": 16,
+              "sim": {"decode_step_s": 0.004, "decode_step_s_per_seq": 0.0001, "prefill_s_per_token": 1e-6}}
+
+
+def start_rig(tiny_model_dir, redis_url: str, tokenizer, *, simulated: bool = False):
+    """Build the rig (sync parts); the caller connects the FleetClient inside its event loop. Two real
+    vLLM engines, or (``simulated``) two stand-ins with the same interfaces, under their own key prefix."""
     from rollout_service.config import RolloutServiceConfig
     from rollout_service.fleet.fleet import EngineFleet
     from rollout_service.refit.controller import RefitController
 
+    engine = {"model": str(tiny_model_dir), "num_engines": 2, "num_cpus_per_engine": 0, "cpu_kvcache_space_gib": TEST_KV_GIB}
     cfg = RolloutServiceConfig.model_validate({
-        "engine": {"model": str(tiny_model_dir), "num_engines": 2, "num_cpus_per_engine": 0, "cpu_kvcache_space_gib": TEST_KV_GIB},
-        "store": {"redis_url": redis_url, "key_prefix": "fleet"},
+        "engine": {**engine, **(SIM_ENGINE if simulated else {})},
+        "store": {"redis_url": redis_url, "key_prefix": "simfleet" if simulated else "fleet"},
         "refit": {"step_timeout_s": 60},
         "fleet": FLEET,
     })

@@ -175,6 +175,20 @@ def http(service):
 async def fleet_rig(ray_session, redis_server, tiny_model_dir, tiny_tokenizer, request):
     """Two real engines owned by a real (anonymous) fleet, the data plane over it, a controller;
     stopped after the last test that uses it."""
+    async for rig in _rig(redis_server, tiny_model_dir, tiny_tokenizer, request, "fleet_rig", simulated=False):
+        yield rig
+
+
+@pytest.fixture(scope="session")
+async def sim_rig(ray_session, redis_server, tiny_model_dir, tiny_tokenizer, request):
+    """``fleet_rig`` on two stand-in engines (``engine.backend: simulated``): for the fault drills
+    whose subject is the fleet, the controller and the data plane, not the engine (each engine
+    behaviour they touch keeps its test on ``fleet_rig``); stopped after its last user."""
+    async for rig in _rig(redis_server, tiny_model_dir, tiny_tokenizer, request, "sim_rig", simulated=True):
+        yield rig
+
+
+async def _rig(redis_server, tiny_model_dir, tiny_tokenizer, request, name: str, *, simulated: bool):
     import ray
 
     from fleet_helpers import FleetRig, start_rig
@@ -183,7 +197,7 @@ async def fleet_rig(ray_session, redis_server, tiny_model_dir, tiny_tokenizer, r
     from rollout_service.serve.turns import TurnRunner
     from rollout_service.store.redis_store import RedisRolloutStore
 
-    cfg, fleet, controller = start_rig(tiny_model_dir, redis_server, tiny_tokenizer)
+    cfg, fleet, controller = start_rig(tiny_model_dir, redis_server, tiny_tokenizer, simulated=simulated)
     store = RedisRolloutStore.from_config(cfg.store)
     client = await connect(fleet, nonstream_progress_s=cfg.fleet.nonstream_progress_s)  # as the app's replicas
     runner = TurnRunner(cfg, client, store, tiny_tokenizer)
@@ -202,7 +216,7 @@ async def fleet_rig(ray_session, redis_server, tiny_model_dir, tiny_tokenizer, r
             ray.kill(controller)
             ray.kill(fleet)
 
-    release_after_last_user(request, "fleet_rig", stop)
+    release_after_last_user(request, name, stop)
     yield FleetRig(fleet, controller, runner, store, trainer, cfg)
     await store.close()
     stop()

@@ -1,6 +1,8 @@
 """A hung engine (SIGSTOP) is declared dead within the configured time and replaced; its
 in-flight calls run again elsewhere (no token sent yet) or continue on the other engine from the
-tokens already streamed (mid-turn migration); the stopped process is killed, never reused."""
+tokens already streamed (mid-turn migration); the stopped process is killed, never reused. On stand-in engines (``sim_rig``): the detection, the
+kill and the migration are the fleet's and the data plane's; the real engine's mid-turn migration is
+tests/test_fleet_engine_death.py's."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from fleet_helpers import FLEET, call, kill_pid, new_rid, process_gone, run_even
 
 
 
-async def test_sigstopped_engine_is_detected_killed_and_replaced(fleet_rig):
-    rig = fleet_rig
+async def test_sigstopped_engine_is_detected_killed_and_replaced(sim_rig):
+    rig = sim_rig
     view = await rig.view()
     pids = await rig.member_pids()
     victim = view.members[0]

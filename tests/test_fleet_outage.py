@@ -1,5 +1,6 @@
 """Every engine killed: calls answer 503 during the outage, the fleet heals with no operator
-action (on the current weights, from the copy it keeps), and the interrupted rollout continues exactly."""
+action (on the current weights, from the copy it keeps), and the interrupted rollout continues exactly. On stand-in engines (``sim_rig``): the outage and the
+heal are the fleet's; a real engine replaced on the current weights is tests/test_fleet_engine_death.py's."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from fleet_helpers import assert_trajectory_exact, call, kill_pid, new_rid
 
 
 
-async def test_all_engines_killed_503_then_healed_and_the_rollout_continues_exactly(fleet_rig):
-    rig = fleet_rig
+async def test_all_engines_killed_503_then_healed_and_the_rollout_continues_exactly(sim_rig):
+    rig = sim_rig
     version = (await rig.view()).version
     checksums = await rig.checksums_by_slot()
     rid = new_rid("outage")

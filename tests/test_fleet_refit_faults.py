@@ -1,6 +1,8 @@
 """An engine killed in the middle of a refit: the refit fails cleanly (old version on every
 survivor, all resumed, nothing aborted), the fleet replaces the engine on that old version, and
-the next refit reaches both engines."""
+the next refit reaches both engines. On stand-in engines (``sim_rig``: they join the gloo group and
+receive every bucket): the failure path is the controller's and the fleet's; a real engine's refit
+after a replacement is tests/test_fleet_engine_death.py's."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ from refit_helpers import perturbed
 
 
 
-async def test_engine_killed_mid_transfer_fails_the_refit_cleanly(fleet_rig, tiny_model_dir):
+async def test_engine_killed_mid_transfer_fails_the_refit_cleanly(sim_rig, tiny_model_dir):
     from rollout_service.refit.client import TrainerClient
     from rollout_service.refit.types import RefitFailed
 
-    rig = fleet_rig
+    rig = sim_rig
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     trainer = TrainerClient(rig.controller, timeout_s=60, bucket_bytes=8 * 1024 * 1024)  # several buckets
     await asyncio.to_thread(trainer.init_weight_sync, timeout_s=5)  # receives time out after 5 s
@@ -54,9 +56,9 @@ async def test_engine_killed_mid_transfer_fails_the_refit_cleanly(fleet_rig, tin
 
 
 async def test_refit_while_an_engine_is_down_proceeds_and_the_replacement_joins_on_the_new_version(
-    fleet_rig, tiny_model_dir
+    sim_rig, tiny_model_dir
 ):
-    rig = fleet_rig
+    rig = sim_rig
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     await rig.wait_serving(2)
     pids = await rig.member_pids()
