@@ -44,7 +44,7 @@ def test_changed_engine_config_restarts_the_fleet_and_app_deletion_stops_it(serv
                        "sim": {"decode_step_s": 0.02}},  # a 600-token stream takes ~12 s
             "store": {"redis_url": redis_server, "key_prefix": APP},
             "service": {"instance_name": APP, "num_affinity_replicas": 1},
-            "fleet": {"app_watch_interval_s": 1.0},
+            "fleet": {"app_watch_interval_s": 0.3},
         })
 
     health = f"{service.url}/{APP}/health"

@@ -35,7 +35,7 @@ def _config(tiny_model_dir, redis_url):
                    "sim": {"decode_step_s": 0.003, "decode_step_s_per_seq": 0.0001, "prefill_s_per_token": 1e-6}},
         "store": {"redis_url": redis_url, "key_prefix": APP},
         "service": {"instance_name": APP, "num_affinity_replicas": 1},
-        "fleet": {"app_watch_interval_s": 1.0, "probe_interval_s": 0.5, "resume_unbracketed_pause_s": 3.0,
+        "fleet": {"app_watch_interval_s": 0.3, "probe_interval_s": 0.5, "resume_unbracketed_pause_s": 2.0,
                   "unresponsive_after_s": 60.0, "probe_timeout_s": 5.0},
         "refit": {"step_timeout_s": 30.0},
     })
@@ -61,7 +61,7 @@ def _wait(cond, timeout, what):
         if value:
             return value
         assert time.monotonic() < deadline, what
-        time.sleep(0.25)
+        time.sleep(0.1)
 
 
 async def _rollouts(base: str, prefix: str, n: int, failures: list, concurrency: int = 8) -> int:
@@ -558,7 +558,7 @@ def test_a_fleet_restarted_in_the_middle_of_a_refit_keeps_its_bracket(heal_app, 
     os.kill(_pid(fleet), signal.SIGKILL)
     stats = _restarted(fleet, before["incarnation"])
     assert stats["refitting"] is True and stats["weight_version"] == before["weight_version"], stats
-    time.sleep(_config(tiny_model_dir, "redis://unused").fleet.resume_unbracketed_pause_s + 4.0)
+    time.sleep(_config(tiny_model_dir, "redis://unused").fleet.resume_unbracketed_pause_s + 2.5)
     assert ray.get([e.is_paused.remote() for e in engines], timeout=60) == [True] * ENGINES
 
     ckpt = _checkpoint(tiny_model_dir, tmp_path / "b1")

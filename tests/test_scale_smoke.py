@@ -33,7 +33,7 @@ def _config(tiny_model_dir, redis_url):
         "store": {"redis_url": redis_url, "key_prefix": APP},
         "service": {"instance_name": APP, "num_affinity_replicas": 1},
         "routing": {"policy": "sticky_least_loaded", "load_margin": 2},
-        "fleet": {"app_watch_interval_s": 1.0, "probe_interval_s": 0.5},
+        "fleet": {"app_watch_interval_s": 0.3, "probe_interval_s": 0.5},
     })
 
 

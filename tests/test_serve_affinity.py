@@ -15,7 +15,7 @@ from serve_helpers import IM_END, MODEL
 
 
 
-async def _turn(client, rid, messages, seed, retries=10):
+async def _turn(client, rid, messages, seed, retries=40):
     body = {"model": MODEL, "messages": messages, "max_tokens": 4, "seed": seed}
     for _ in range(retries):
         r = await client.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": rid})

@@ -134,7 +134,7 @@ def test_a_serve_app_counts_every_generation_in_status_and_on_the_metrics_scrape
             if got == want and gauges:
                 break
             assert time.monotonic() < deadline, (got, want, gauges)
-            time.sleep(2)
+            time.sleep(0.5)
         assert len(gauges) == 1 and 0 <= next(iter(gauges.values())) <= PARITY, gauges
     finally:
         serve.delete(APP)
