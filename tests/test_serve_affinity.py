@@ -21,7 +21,7 @@ async def _turn(client, rid, messages, seed, retries=40):
         r = await client.post("/v1/chat/completions", json=body, headers={"X-Rollout-Id": rid})
         if r.status_code != 503:  # a killed replica answers 503 until Serve routes around it
             break
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.25)
     assert r.status_code == 200, r.text
     return r.headers["x-rollout-replica"], r.json()["choices"][0]["message"]
 
