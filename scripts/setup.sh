@@ -48,7 +48,9 @@ if [ "$CACHE" != off ] && { [ -L .venv ] || [ ! -e .venv ]; }; then
   fi
   [ "$(readlink .venv 2>/dev/null)" = "$dir" ] || { rm -f .venv; ln -s "$dir" .venv; }
   here=$(pwd -P)
-  if [ "$(.venv/bin/python -c 'import pathlib, rollout_service as r; print(pathlib.Path(r.__file__).resolve().parents[1])' 2>/dev/null)" != "$here" ]; then
+  # (asked from / : from here, `import rollout_service` would find this clone's folder whatever is installed)
+  registered=$(cd / && "$here/.venv/bin/python" -c 'import pathlib, rollout_service as r; print(pathlib.Path(r.__file__).resolve().parents[1])' 2>/dev/null || true)
+  if [ "$registered" != "$here" ]; then
     echo "[setup] registering this clone's code in the cached venv ($here)"
     .venv/bin/pip install -q --no-deps -e .
   fi
@@ -62,4 +64,5 @@ else
   fi
 fi
 
-echo "[setup] tiny model: $(.venv/bin/rollout-service build-tiny-model --quiet)"
+model=$(.venv/bin/rollout-service build-tiny-model --quiet)  # a failure here stops the set-up
+echo "[setup] tiny model: $model"
