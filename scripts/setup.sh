@@ -29,18 +29,21 @@ install_venv() {
 # The venv is cached outside the clone, keyed on pyproject.toml and the Python it runs on:
 # ${ROLLOUT_SERVICE_CACHE:-~/.cache/rollout-service}/venvs/main-<key>, and .venv links to it. A fresh
 # clone (CI) reuses it and only registers its own code in it (an editable install, a few seconds:
-# the venv runs the code of the clone that last ran this script); a changed pyproject.toml builds a
+# the venv's console scripts run the code of the clone that last ran this script: scripts/test.sh puts
+# its own clone first on PYTHONPATH); a changed pyproject.toml builds a
 # new one (the two newest are kept); a fresh machine builds it (~2-3 min). A .venv that is a directory
 # of its own, or ROLLOUT_SERVICE_CACHE=off, is installed in place as before.
-CACHE=${ROLLOUT_SERVICE_CACHE:-$HOME/.cache/rollout-service}
+CACHE=${ROLLOUT_SERVICE_CACHE:-${HOME:-/root}/.cache/rollout-service}
 key=$({ "$PY" -c 'import sys; print(sys.version)'; cat pyproject.toml; } | sha256sum | cut -c1-16)
 if [ "$CACHE" != off ] && { [ -L .venv ] || [ ! -e .venv ]; }; then
   venvs=$(realpath -m "$CACHE")/venvs
   dir=$venvs/main-$key
+  mkdir -p "$venvs"
+  exec 9>"$venvs/.lock"
+  flock 9  # one set-up at a time builds or registers (another clone's waits here)
   if [ ! -f "$dir/.installed" ]; then
     echo "[setup] building the venv $dir with .[cpu,dev,train] (first time: ~2-3 min)"
     rm -rf "$dir"
-    mkdir -p "$venvs"
     install_venv "$dir"
     touch "$dir/.installed"
     # shellcheck disable=SC2012
@@ -54,7 +57,9 @@ if [ "$CACHE" != off ] && { [ -L .venv ] || [ ! -e .venv ]; }; then
     echo "[setup] registering this clone's code in the cached venv ($here)"
     .venv/bin/pip install -q --no-deps -e .
   fi
+  flock -u 9
 else
+  [ -L .venv ] && rm -f .venv  # ROLLOUT_SERVICE_CACHE=off: a venv of the clone's own, not the cached one
   stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
   if [ ! -f "$stamp" ]; then
     echo "[setup] creating .venv and installing .[cpu,dev,train] (first time: ~2 min)"

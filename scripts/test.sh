@@ -10,6 +10,9 @@ bash scripts/setup_test_clients.sh
 t1=$(date +%s)
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
+# This clone's code first, also in the processes the tests start (the cached venv may have another
+# clone registered: scripts/setup.sh).
+export PYTHONPATH="$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
 rc=$?

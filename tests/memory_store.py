@@ -144,6 +144,9 @@ class MemoryRolloutStore:
         validate_rollout_id(group_id)
         return dict(self._groups.get(group_id, {}))
 
+    async def durability_status(self) -> dict:
+        return {"durability": "local", "ok": True}
+
     async def ping(self) -> bool:
         return True
 

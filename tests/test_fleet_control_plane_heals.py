@@ -558,7 +558,8 @@ def test_a_fleet_restarted_in_the_middle_of_a_refit_keeps_its_bracket(heal_app, 
     os.kill(_pid(fleet), signal.SIGKILL)
     stats = _restarted(fleet, before["incarnation"])
     assert stats["refitting"] is True and stats["weight_version"] == before["weight_version"], stats
-    time.sleep(_config(tiny_model_dir, "redis://unused").fleet.resume_unbracketed_pause_s + 2.5)
+    policy = _config(tiny_model_dir, "redis://unused").fleet
+    time.sleep(policy.resume_unbracketed_pause_s + 2 * policy.probe_interval_s + 1.5)  # a resume would have landed
     assert ray.get([e.is_paused.remote() for e in engines], timeout=60) == [True] * ENGINES
 
     ckpt = _checkpoint(tiny_model_dir, tmp_path / "b1")

@@ -9,14 +9,23 @@ import time
 
 import pytest
 
+from safetensors.torch import load_file
+
 from fleet_helpers import assert_trajectory_exact, call, kill_pid, new_rid
+from refit_helpers import perturbed
 
 
 
-async def test_all_engines_killed_503_then_healed_and_the_rollout_continues_exactly(sim_rig):
+async def test_all_engines_killed_503_then_healed_and_the_rollout_continues_exactly(sim_rig, tiny_model_dir):
     rig = sim_rig
+    # The current version is not the model's own weights, and no engine survives to copy it from:
+    # the replacements can only load the copy the fleet keeps.
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    report = await asyncio.to_thread(rig.trainer.refit, "outage-1", perturbed(base, seed=31), transport="object_store")
+    assert report["ok"] and sorted(report["engines"]) == [0, 1]
     version = (await rig.view()).version
     checksums = await rig.checksums_by_slot()
+    assert version == "outage-1" and len(set(checksums.values())) == 1
     rid = new_rid("outage")
     messages = [{"role": "user", "content": "before the outage"}]
     first = await call(rig.runner, rid, messages, seed=1, stream=False)

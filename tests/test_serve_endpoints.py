@@ -19,6 +19,7 @@ def test_models_is_vllm_compatible(openai_client, tiny_model_dir):
 def test_health(http):
     r = http.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["engines_alive"] == 1
+    assert r.json()["store_durability"] == {"durability": "local", "ok": True}  # test_store_replication: replicated
     head = http.head("/health")  # load balancers' and some probes' method
     assert head.status_code == 200 and head.content == b"", (head.status_code, head.content)
 

@@ -62,6 +62,7 @@ def test_status_reports_the_engines_and_counts_stored_rollouts_exactly(http, ser
         assert e["state"] == "healthy" and e["weight_version"] == before["weight_version"]
         assert isinstance(e["in_flight"], int) and e["in_flight"] >= 0
     assert before["rollouts"]["key_prefix"] == "svc"
+    assert before["rollouts"]["durability"] == {"durability": "local", "ok": True}
 
     rids = [f"status-{uuid.uuid4().hex[:8]}" for _ in range(3)]
     for rid in rids:

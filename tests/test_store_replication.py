@@ -100,6 +100,32 @@ async def test_replicated_refuses_to_acknowledge_what_no_replica_holds_in_time(g
         await local.close()
 
 
+async def test_the_durability_status_says_when_the_replicas_an_append_waits_for_are_missing(group):
+    """What /health and GET /v1/status report: in sync, both replicas; both stalled, none within
+    replication_timeout_s (still connected), so an append would be refused; resumed, both again.
+    local promises only the primary."""
+    s = _store(group.url, durability="replicated", min_replicas=2, replication_timeout_s=0.3)
+    local = _store(group.url)
+    try:
+        assert await s.durability_status() == {"durability": "replicated", "ok": True, "required": 2, "in_sync": 2,
+                                               "connected": 2, "replication_timeout_s": 0.3}
+        with replicas_stalled(group):
+            t0 = time.monotonic()
+            short = await s.durability_status()
+            took = time.monotonic() - t0
+            deltas, _ = synthetic_rollout(random.Random(5), [1])
+            with pytest.raises(StoreUnavailable, match="0 of the 2 replica"):
+                await s.append_turn("short-of-replicas", deltas[0], expected_turn=0)
+        assert short == {"durability": "replicated", "ok": False, "required": 2, "in_sync": 0, "connected": 2,
+                         "replication_timeout_s": 0.3}, short
+        assert took < 2.0
+        assert (await s.durability_status())["in_sync"] == 2
+        assert await local.durability_status() == {"durability": "local", "ok": True}
+    finally:
+        await s.close()
+        await local.close()
+
+
 async def test_a_resent_replicated_append_is_not_acknowledged_before_the_replicas_hold_it(group):
     """The append lands on the primary, its answer is lost, redis-py resends it on a new
     connection: the resend must not be acknowledged until the replicas hold the turn (Redis's WAIT

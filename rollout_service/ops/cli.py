@@ -104,6 +104,12 @@ def format_status(status: dict, url: str) -> str:
         lines.append("last refit: none since the fleet started")
     ro = status.get("rollouts") or {}
     lines.append(f"stored rollouts: {cell(ro.get('stored'))} (key prefix {cell(ro.get('key_prefix'))})")
+    dur = ro.get("durability") or {}
+    if dur.get("durability") == "replicated" or dur.get("ok") is False:
+        lines.append(f"store durability: {cell(dur.get('durability'))}, "
+                     + (f"{cell(dur.get('in_sync'))} replica(s) in sync, {cell(dur.get('required'))} required"
+                        if "required" in dur else cell(dur.get("error")))
+                     + ("" if dur.get("ok") else " - appends are refused (503 store_unavailable)"))
     lines += format_canary(status.get("canary"))
     for part, err in (status.get("errors") or {}).items():
         lines.append(f"error reading {part}: {err}")

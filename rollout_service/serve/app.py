@@ -411,6 +411,7 @@ class RolloutService(ForwardingReplica):
             stored = await asyncio.wait_for(runner.count_rollouts(), timeout=30)
         except Exception as exc:
             errors["store"] = f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"[:300]
+        durability = await self._durability(runner)
         engines = [{"slot": s.get("slot"), "state": s.get("state"), "weight_version": s.get("weight_version"),
                     "in_flight": s.get("load", 0), "generation": s.get("generation"),
                     "replacements": s.get("replacements", 0), "last_error": s.get("last_error"),
@@ -427,7 +428,7 @@ class RolloutService(ForwardingReplica):
                                     sample_fraction=self.config.canary.sample_fraction,
                                     threshold=self.config.canary.threshold),
             "rollouts": {"stored": stored, "key_prefix": self.config.store.key_prefix,
-                         "in_flight_on_replica": len(runner.in_flight)},
+                         "in_flight_on_replica": len(runner.in_flight), "durability": durability},
             "errors": errors,
         })
 
@@ -465,7 +466,21 @@ class RolloutService(ForwardingReplica):
             info["fleet"] = f"unreachable: {runner.fleet.fleet_error}"
         if not store_ok or not info["engines_alive"] or runner.fleet.fleet_error:
             raise ServiceError(503, f"not ready: {info}", type="service_unavailable")
-        return JSONResponse({"status": "ok", **info})
+        # Ready, but a store short of the replicas store.durability waits for refuses every append
+        # (503 store_unavailable): "degraded", still 200, since every replica shares the store and a
+        # probe that took them all out would answer clients with nothing instead of that 503.
+        info["store_durability"] = await self._durability(runner)
+        return JSONResponse({"status": "ok" if info["store_durability"].get("ok") else "degraded", **info})
+
+    async def _durability(self, runner) -> dict[str, Any]:
+        try:
+            # Bounded well inside a readiness probe's timeout (k8s: 5 s): a WAIT short of replicas
+            # returns after replication_timeout_s; anything slower says the store cannot promise now.
+            return await asyncio.wait_for(runner.store.durability_status(),
+                                          timeout=min(self.config.store.replication_timeout_s + 1.0, 3.0))
+        except Exception as exc:  # unreachable or slow: it cannot promise anything now
+            return {"durability": self.config.store.durability, "ok": False,
+                    "error": f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"[:300]}
 
 
 def build_app(args: dict[str, Any] | RolloutServiceConfig | None = None):

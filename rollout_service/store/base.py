@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from rollout_service.onpolicy.types import RolloutState, TurnDelta
 
@@ -235,6 +235,13 @@ class RolloutStore(Protocol):
     async def ensure_replicated(self, rollout_id: str) -> None:
         """Return once what is stored of the rollout is as durable as an acknowledged append
         (store.durability); StoreUnavailable if it cannot be made so in time."""
+        ...
+
+    async def durability_status(self) -> dict[str, Any]:
+        """What an acknowledged append is worth right now: ``{"durability", "ok", ...}``. Under
+        store.durability replicated also ``required`` (min_replicas) and ``in_sync`` (the replicas
+        that acknowledged a probe write, waited for as an append waits): ``ok`` is false when an
+        append would be refused as short of replicas. Raises StoreUnavailable if it cannot tell."""
         ...
 
     async def ping(self) -> bool: ...

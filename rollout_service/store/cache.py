@@ -187,6 +187,9 @@ class CachedRolloutStore:
     async def ttl(self, rollout_id: str) -> float | None:
         return await self.inner.ttl(rollout_id)
 
+    async def durability_status(self) -> dict[str, Any]:
+        return await self.inner.durability_status()
+
     async def ping(self) -> bool:
         return await self.inner.ping()
 

@@ -427,6 +427,25 @@ class RedisRolloutStore:
             raise StoreUnavailable(f"the turn reached {acked} of the {self.min_replicas} replica(s) "
                                    f"store.durability replicated waits for within {self.replication_timeout_s}s")
 
+    async def durability_status(self) -> dict[str, Any]:
+        """local: ``{"durability": "local", "ok": True}``. replicated: a probe write (a key of its
+        own under the prefix, expiring in a minute) and ``WAIT min_replicas`` on its connection, as
+        an append waits: ``in_sync`` is how many replicas held it when WAIT returned (it returns as
+        soon as ``min_replicas`` do, so at least that many when ``ok``, and no longer than
+        replication_timeout_s when fewer), beside ``connected`` (the primary's
+        ``connected_slaves``: a stalled replica stays connected for a while)."""
+        if self.durability != "replicated":
+            return {"durability": self.durability, "ok": True}
+        async with self._translate():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(f"{self.key_prefix}:durability-probe", str(time.time()), px=60_000)
+            pipe.execute_command("WAIT", self.min_replicas, max(1, int(self.replication_timeout_s * 1000)))
+            pipe.info("replication")
+            _, acked, info = await pipe.execute()
+        return {"durability": "replicated", "ok": int(acked) >= self.min_replicas, "required": self.min_replicas,
+                "in_sync": int(acked), "connected": int(info.get("connected_slaves", 0)),
+                "replication_timeout_s": self.replication_timeout_s}
+
     async def ensure_replicated(self, rollout_id: str) -> None:
         """Before answering from what is stored (a replayed call): under store.durability
         replicated, wait until the replicas hold everything written so far (a write on this
