@@ -178,9 +178,10 @@ def config(n: int, args, policy: str | None = None):
         "fleet": {"probe_interval_s": 2.0},
         "routing": {"policy": policy or "sticky_least_loaded", "load_margin": args.load_margin},
         # an external store (--redis-cluster) is shared by every run: each run its own keys
-        **({"store": {"redis_url": args.redis_url,
-                      "key_prefix": f"bench-{n}-{policy or 'default'}-{getattr(args, 'round', 0)}"}}
-           if args.redis_url else {}),
+        "store": {**({"redis_url": args.redis_url,
+                      "key_prefix": f"bench-{n}-{policy or 'default'}-{getattr(args, 'round', 0)}"}
+                     if args.redis_url else {}),
+                  **({"max_connections": args.store_max_connections} if args.store_max_connections else {})},
     })
 
 
@@ -338,6 +339,7 @@ def main(argv=None) -> int:
     p.add_argument("--rollouts", type=int, default=300)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--store-max-connections", type=int, default=0, help="store.max_connections (0: the default)")
     p.add_argument("--cap", type=int, default=256, help="max_tokens cap of the heavy-tailed lengths")
     p.add_argument("--shared-prefix", type=int, default=200, help="words of the shared system prompts")
     p.add_argument("--observation-words", type=int, default=0,
