@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     import ray
 
     from rollout_service.config import EngineConfig
-    from rollout_service.engine.replica import create_engine_actor
+    from rollout_service.engine.actor import create_engine_actor
     from rollout_service.ops.runtime import start_local_ray
     from rollout_service.models.tiny_model import ensure_tiny_model
 

@@ -865,7 +865,9 @@ def _component(path: str) -> str:
 def _hop(frames: list[tuple[str, str]]) -> str:
     """Which hop a replica sample belongs to (frames root -> leaf)."""
     files = [f for _, f in frames]
-    if any(("rollout_service/serve/turns.py" in f or "rollout_service/onpolicy/" in f or "rollout_service/store/" in f
+    if any(("rollout_service/serve/turns.py" in f or "rollout_service/serve/prompts.py" in f
+            or "rollout_service/serve/engine_calls.py" in f or "rollout_service/serve/completions.py" in f
+            or "rollout_service/onpolicy/" in f or "rollout_service/store/" in f
             or "rollout_service/fleet/" in f or "rollout_service/engine/" in f) for f in files):
         return "turn runner (load, prompt, engine call, parse, append)"
     if any("rollout_service/" in f for f in files):
@@ -883,19 +885,22 @@ def _hop(frames: list[tuple[str, str]]) -> str:
 # Steps a sample belongs to: the first of these found walking its stack from the running frame up
 # (function-name substrings), the containers (``*`` labels' keys in CONTAINERS) only when no step
 # matched. An exclusive partition of the Python samples of a process.
-CONTAINERS = ("TurnRunner.", "RolloutService.", "Metered.", "Guard.", "FastAPI.__call__", "_call_http_entrypoint",
-              "handle_request", "_run_user_code_event_loop", "main_loop", "proxy_request", "HTTPProxy",
-              "RequestIdMiddleware", "RequestResponseCycle", "_run_router_event_loop")
+CONTAINERS = ("TurnRunner.", "PromptPlans.", "EngineCalls.", "RawCompletions.", "RolloutService.", "Metered.", "Guard.",
+              "FastAPI.__call__", "_call_http_entrypoint", "handle_request", "_run_user_code_event_loop", "main_loop",
+              "proxy_request", "HTTPProxy", "RequestIdMiddleware", "RequestResponseCycle", "_run_router_event_loop")
 REPLICA_STEPS = (
     ("TurnRunner._parse", "turn: output parse (vLLM reasoning/tool parsers)"),
-    ("TurnRunner._plan", "turn: prompt build (template tail + tokenize)"),
+    ("PromptPlans._plan", "turn: prompt build (template tail + tokenize)"),
     ("TurnRunner._append", "turn: store append (Redis)"),
     ("TurnRunner._load", "turn: store load / cache check (Redis)"),
-    ("TurnRunner._generate", "turn: engine call, caller side (Ray actor call)"),
+    ("EngineCalls._generate", "turn: engine call, caller side (Ray actor call)"),
     ("TurnRequest.digest", "turn: request digest"),
     ("TurnRunner.", "turn: other runner code"),
-    ("_counted", "metrics wrappers (_counted / observed)"),
-    ("observed", "metrics wrappers (_counted / observed)"),
+    ("PromptPlans.", "turn: other runner code"),
+    ("EngineCalls.", "turn: other runner code"),
+    ("RawCompletions.", "turn: other runner code"),
+    ("counted_call", "metrics wrappers (counted_call / observed)"),
+    ("observed", "metrics wrappers (counted_call / observed)"),
     ("RolloutService._answer", "answer formatting (dialect response, JSON)"),
     ("RolloutService.", "route handler, other"),
     ("solve_dependencies", "FastAPI: request parse, validation, dependencies"),

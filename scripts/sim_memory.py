@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     import ray
 
     from rollout_service.config import EngineConfig
-    from rollout_service.engine.replica import create_engine_actor
+    from rollout_service.engine.actor import create_engine_actor
 
     with tempfile.TemporaryDirectory(prefix="sim-memory-") as shadow:
         runtime_env = {}

@@ -87,7 +87,7 @@ def test_cpu_engine_without_pins_keeps_plain_actor_options_and_no_group():
 def test_create_engine_actor_uses_the_placement_options_and_keeps_its_own(monkeypatch):
     import ray
 
-    from rollout_service.engine import replica
+    from rollout_service.engine import actor
 
     seen: list[dict] = []
 
@@ -106,16 +106,16 @@ def test_create_engine_actor_uses_the_placement_options_and_keeps_its_own(monkey
     cfg = _gpu(2)
     strategy = object()
     placement = EnginePlacement("pg", 0, {"num_cpus": 1.0, "num_gpus": 0, "scheduling_strategy": strategy})
-    args = replica.create_engine_actor(cfg, 3, placement=placement, name="e3", namespace="ns", lifetime="detached",
+    args = actor.create_engine_actor(cfg, 3, placement=placement, name="e3", namespace="ns", lifetime="detached",
                                        initial_weight_version="7")
     assert args == (cfg, 3, "7")
     assert seen[-1] == {
-        "num_cpus": 1.0, "num_gpus": 0, "scheduling_strategy": strategy, "runtime_env": replica.engine_runtime_env(cfg),
+        "num_cpus": 1.0, "num_gpus": 0, "scheduling_strategy": strategy, "runtime_env": actor.engine_runtime_env(cfg),
         "max_concurrency": 10_000, "max_restarts": 0, "enable_task_events": False, "name": "e3", "namespace": "ns",
         "lifetime": "detached",
     }
-    replica.create_engine_actor(EngineConfig(), 0)  # no placement: exactly the options it always had
-    assert seen[-1] == {"num_cpus": 1.0, "runtime_env": replica.engine_runtime_env(EngineConfig()),
+    actor.create_engine_actor(EngineConfig(), 0)  # no placement: exactly the options it always had
+    assert seen[-1] == {"num_cpus": 1.0, "runtime_env": actor.engine_runtime_env(EngineConfig()),
                         "max_concurrency": 10_000, "max_restarts": 0, "enable_task_events": False}
 
 
@@ -141,7 +141,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout_service.config import EngineConfig, RolloutServiceConfig
-from rollout_service.engine import replica
+from rollout_service.engine import actor
 from rollout_service.fleet.fleet import EngineFleet
 from rollout_service.fleet.placement import PlacementUnavailable, release_engine_placement, reserve_engine_placement
 
@@ -218,7 +218,7 @@ class EngineProbe:
         pass
 
 
-replica.EngineReplica = EngineProbe  # create_engine_actor looks the class up at call time
+actor.EngineReplica = EngineProbe  # create_engine_actor looks the class up at call time
 
 # Small thresholds: a killed engine is seen and replaced in a second or two.
 FLEET = {"probe_interval_s": 0.3, "probe_timeout_s": 5.0, "dead_after_failures": 3, "unresponsive_after_s": 30.0,
@@ -300,7 +300,7 @@ def start_engines(config, timeout_s=30.0):
         for i in range(config.num_engines):
             placements.append(reserve_engine_placement(config, i, timeout_s=timeout_s))
         for i, p in enumerate(placements):
-            engines.append(replica.create_engine_actor(config, i, placement=p, name=f"probe-engine-{i}-{time.monotonic_ns()}"))
+            engines.append(actor.create_engine_actor(config, i, placement=p, name=f"probe-engine-{i}-{time.monotonic_ns()}"))
         ray.get([e.start.remote() for e in engines], timeout=90)
         out = [{"engine": w, "own_pg": p.placement_group.id.hex()}
                for w, p in zip(ray.get([e.where.remote() for e in engines], timeout=90), placements)]

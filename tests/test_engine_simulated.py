@@ -35,7 +35,7 @@ def _config(tiny_model_dir, **sim) -> EngineConfig:
 def _start(config: EngineConfig, index: int = 0):
     import ray
 
-    from rollout_service.engine.replica import create_engine_actor
+    from rollout_service.engine.actor import create_engine_actor
 
     actor = create_engine_actor(config, index)
     ray.get(actor.start.remote(), timeout=60)

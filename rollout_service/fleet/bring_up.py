@@ -45,7 +45,7 @@ class BringUp:
 
     async def _bring_up(self, slot: int, generation: int) -> None:
         """Start an engine in ``slot`` and bring it to the current weights; failures go to the state machine."""
-        from rollout_service.engine.replica import create_engine_actor
+        from rollout_service.engine.actor import create_engine_actor
 
         s = self.slots[slot]
         ec = self.config.engine

@@ -40,7 +40,6 @@ NCCL trainer engine — runs in a worker thread. A refit of either kind refuses 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
@@ -48,22 +47,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from rollout_service.weights.collective import (
-    ABORT_MESSAGE,
-    GroupOutOfSync,
-    PackBuffers,
-    free_port,
-    open_group,
-    plan_for_state_dict,
-    send_buckets,
-)
-from rollout_service.refit.awaiting import aget, mark_retrieved, on_callers_device, run_sync, settle
+from rollout_service.weights.collective import PackBuffers, free_port, open_group
+from rollout_service.refit.awaiting import aget, mark_retrieved, on_callers_device, run_sync
 from rollout_service.refit.deadlines import trainer_wait_s
+from rollout_service.refit.gloo_trainer import GlooTrainer
 from rollout_service.refit.nccl_trainer import NcclTrainer
 from rollout_service.refit.rollout_reads import read_group, read_trajectory
-from rollout_service.refit.transports import CheckpointPathTransfer, CollectiveTransfer, ObjectStoreTransfer
-from rollout_service.refit.types import (GROUP_UNKNOWN, MEMBERSHIP_CHANGED, RefitFailed, RefitInProgress,
-                                         WeightSyncNotInitialized)
+from rollout_service.refit.transports import CheckpointPathTransfer, ObjectStoreTransfer
+from rollout_service.refit.types import GROUP_UNKNOWN, MEMBERSHIP_CHANGED, RefitInProgress, WeightSyncNotInitialized
 
 logger = logging.getLogger("rollout_service.refit.client")
 
@@ -80,7 +71,7 @@ class RefitSettings:
     timeout_s: float
 
 
-class TrainerClient(NcclTrainer):
+class TrainerClient(NcclTrainer, GlooTrainer):
     def __init__(
         self,
         controller=None,
@@ -291,86 +282,6 @@ class TrainerClient(NcclTrainer):
         """The controller's refit call (pause, receive or stage, load, label, resume): its ref."""
         return self.controller.refit.remote(version, transfer, clear_cache=clear, timeout_s=timeout)
 
-    # ------------------------------------------------------- collective transport
-    async def _arefit_collective(self, version, params, clear, timeout, on_bucket, bucket_bytes) -> dict[str, Any]:
-        group, plan = self._collective_plan(params, bucket_bytes)
-        ref = self._start(version, CollectiveTransfer(plan.to_json(), plan.total_bytes), clear, timeout)
-        # The controller's outcome is awaited on the loop and lands in a thread-safe future: the
-        # send's poll (in the worker thread) reads it there, without Ray.
-        outcome: concurrent.futures.Future = concurrent.futures.Future()
-        waiter = asyncio.ensure_future(settle(outcome, aget(ref, trainer_wait_s(timeout))))
-        poll = _join_poll(outcome.done, outcome.result, timeout)
-        try:
-            timings, send_error = await asyncio.to_thread(self._send, group, params, plan, on_bucket, poll)
-        except BaseException:
-            waiter.cancel()  # the workers never joined: as the sync path, do not wait for the controller
-            raise
-        await waiter
-        return self._collective_result(outcome.exception() or outcome.result(), timings, send_error)
-
-    def _collective_plan(self, params, bucket_bytes: int):
-        if self._group is None:
-            raise WeightSyncNotInitialized("call init_weight_sync() first (or again after a failed transfer)")
-        return self._group, plan_for_state_dict(params, bucket_bytes)
-
-    def _send(self, group, params, plan, on_bucket, poll) -> tuple[dict[str, float], BaseException | None]:
-        """The trainer's broadcast (blocking; the async path runs it in a worker thread).
-
-        Returns ``(timings, None)``, or ``(timings, error)`` if it raised after the workers joined
-        (the trainer's trailer said ABORT; the controller's outcome decides what to raise). If the
-        workers never joined (``poll`` saw the controller refuse or fail, or the join timed out),
-        the first header is still pending on our side: the group is out of step with the workers,
-        so it is forgotten (re-create it before the next collective refit) and the cause raised.
-        """
-        timings: dict[str, float] = {}
-        try:
-            send_buckets(group, params, plan, on_bucket=on_bucket, poll=poll, buffers=self._pack_buffers,
-                         timings=timings)
-        except GroupOutOfSync as exc:
-            self._forget_group(group)
-            raise exc.__cause__ or exc
-        except BaseException as exc:
-            return timings, exc
-        return timings, None
-
-    def _collective_result(self, outcome, timings: dict[str, float], send_error: BaseException | None):
-        """What a collective refit returns or raises, from the controller's ``outcome`` (its report,
-        or the exception waiting for it raised) and the trainer's own ``send_error``."""
-        if isinstance(outcome, RefitFailed):
-            self._forget_group_if_out_of_step(outcome.report)
-            if send_error is not None:
-                raise outcome from send_error
-            raise outcome
-        if isinstance(outcome, BaseException):
-            raise outcome
-        if send_error is not None:
-            raise send_error
-        outcome["trainer_send_s"] = timings.get("send_s")
-        return outcome
-
-    def _forget_group_if_out_of_step(self, report: dict[str, Any] | None) -> None:
-        """A worker's receive failed or timed out (not a clean ABORT): the group is out of step and
-        the controller forgot it too; the next collective refit needs ``init_weight_sync()``."""
-        report = report or {}
-        if report.get("failed_step") == "transfer" and ABORT_MESSAGE not in (report.get("error") or ""):
-            self._forget_group()
-
-    def _forget_group(self, group=None) -> None:
-        """Drop an out-of-step group without waiting for it. A broadcast of ours may still be pending
-        in it (the handshake nobody received), and destroying a gloo group joins its threads: the
-        thread that drops the last reference would wait until the workers leave the group or its
-        timeout ends (measured: the whole timeout; on an event loop, a loop stalled that long). A
-        timer thread holds the group until then, so whoever forgets it never waits."""
-        group = self._group if group is None else group
-        if self._group is group:
-            self._group = None
-        if group is not None:
-            holder = [group]
-            del group
-            timer = threading.Timer(self._group_timeout_s + 5.0, holder.clear)
-            timer.daemon = True
-            timer.start()
-
     # --------------------------------------------------------------------- misc
     def stats(self) -> dict[str, Any]:
         """:meth:`astats`, run to completion."""
@@ -462,21 +373,6 @@ def _staged_transfer(params, transport: str):
     if not isinstance(params, str):
         raise TypeError("transport='path' takes a checkpoint directory path")
     return CheckpointPathTransfer(params)
-
-
-def _join_poll(finished: Callable[[], bool], outcome: Callable[[], Any], step_timeout: float) -> Callable[[], None]:
-    """``send_buckets``'s poll while waiting for the workers to join: the controller may have
-    refused or failed (``finished()``; ``outcome()`` raises its exception), or the join timed out."""
-    deadline = time.monotonic() + trainer_wait_s(step_timeout)
-
-    def poll() -> None:
-        if finished():
-            outcome()
-            raise RuntimeError("controller finished a collective refit without receiving any data")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"engine workers did not join the broadcast within {step_timeout}s")
-
-    return poll
 
 
 def _group_name() -> str:

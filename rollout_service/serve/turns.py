@@ -14,37 +14,27 @@ while the original is still running waits for it and gets its answer.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
-from array import array
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
-from rollout_service.canary.canary import Canary, Generation
+from rollout_service.canary.canary import Canary
 from rollout_service.config import RolloutServiceConfig
-from rollout_service.engine.types import GenerateRequest, kv_spans
-from rollout_service.engine.sampling import SamplingOptions, SamplingParamsError
+from rollout_service.engine.types import kv_spans
 from rollout_service.metrics import get_metrics
 from rollout_service.fleet.client import FleetClient
-from rollout_service.fleet.types import EngineCallDeadline, EngineLostDuringCall, NoEngineAvailable
 from rollout_service.onpolicy import (
     ChatTemplate,
     HistoryConflict,
-    UnsupportedConversation,
-    build_prompt,
     finish_turn,
     parse_output,
-    state_from_echo,
 )
 from rollout_service.onpolicy.parsing import count_reasoning_tokens, generation_text
 from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_turn, stored_answer
-from rollout_service.onpolicy.echo import checked_echo
-from rollout_service.onpolicy.errors import InvalidEcho, InvalidPrefix, PrefixNotContinuable
-from rollout_service.onpolicy.prefix import checked_prefix, plan_on_prefix
-from rollout_service.onpolicy.tokens import plan_on_tokens
 from rollout_service.onpolicy.types import RolloutState, WeightSpan
 from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.completions import RawCompletions
 from rollout_service.serve.constraints import (
     Constraints,
     forced_json_schema,
@@ -54,20 +44,19 @@ from rollout_service.serve.constraints import (
     vllm_tool_choice,
 )
 from rollout_service.serve.dialects.common import optional_rollout_id
-from rollout_service.serve.errors import engine_refusal, http_error, key_reused
+from rollout_service.serve.engine_calls import EngineCalls, counted_call
+from rollout_service.serve.errors import http_error, key_reused
 from rollout_service.serve.groups import RolloutGroups
+from rollout_service.serve.prompts import PromptPlans
 from rollout_service.serve.reads import RolloutReads
 from rollout_service.serve.token_texts import TokenTexts, context_of
-from rollout_service.serve.seams import SeamStops
 from rollout_service.serve.steering import RolloutSteering, StaleRollout
 from rollout_service.serve.streaming import StreamParser
 from rollout_service.serve.truncation import fitted, truncated
-from rollout_service.serve.turn_types import CompletionCall, TokenDelta, TurnRequest, TurnResult
+from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
 from rollout_service.store.base import StoreError
 
 logger = logging.getLogger(__name__)
-
-_CLIENT_ERRORS = (HistoryConflict, UnsupportedConversation, InvalidEcho, InvalidPrefix, PrefixNotContinuable)
 
 REPLAY_WAIT_S = 600.0  # a retry waits at most this long for the original call still in flight
 
@@ -89,9 +78,10 @@ def _chat_template(config: RolloutServiceConfig, tokenizer) -> ChatTemplate:
     return ChatTemplate(tokenizer, source, name=name)
 
 
-class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
+class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups, PromptPlans, EngineCalls, RawCompletions):
     """Runs the calls of the rollouts routed to this replica (and answers reads: :class:`RolloutReads`;
-    aborts and the staleness bound: :class:`RolloutSteering`)."""
+    aborts and the staleness bound: :class:`RolloutSteering`). Its prompt plans are
+    :class:`PromptPlans`, its engine calls :class:`EngineCalls`, raw completions :class:`RawCompletions`."""
 
     def __init__(self, config: RolloutServiceConfig, fleet: FleetClient, store, tokenizer, canary: Canary | None = None):
         self.config = config
@@ -121,34 +111,6 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
                      chat_template_kwargs={}, prompt_ids=prompt)
 
     # ------------------------------------------------------------------ helpers
-    def _sampling(self, sampling: dict[str, Any], top_logprobs: int, structured: dict | None = None) -> SamplingOptions:
-        kwargs = dict(sampling or {})
-        if top_logprobs:
-            kwargs["top_logprobs"] = top_logprobs
-        if structured:
-            kwargs["structured_outputs"] = structured
-        try:
-            return SamplingOptions.validated(kwargs, max_top_logprobs=self.config.engine.max_logprobs,
-                                             vocab_size=self.vocab_size)
-        except SamplingParamsError as exc:
-            raise bad_request(exc.message, param=exc.param) from None
-
-    def _max_tokens(self, requested: int | None, prompt_len: int, params: tuple[str, str] = ("messages", "max_tokens")) -> int:
-        """``params``: how the request names its prompt and its max_tokens (for the 400)."""
-        prompt_param, max_param = params
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ServiceError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                               f"has {prompt_len}.", param=prompt_param, code="context_length_exceeded")
-        if requested is not None:
-            if requested < 1:
-                raise bad_request(f"max_tokens must be at least 1, got {requested}", param=max_param)
-            if requested > room:
-                raise ServiceError(400, f"max_tokens={requested} plus the {prompt_len}-token prompt exceeds the context "
-                                   f"length {self.max_model_len}.", param=max_param, code="context_length_exceeded")
-            return requested
-        return min(self.config.service.default_max_tokens, room)
-
     def _template_kwargs(self, req: TurnRequest) -> dict[str, Any]:
         return {**self.config.service.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
 
@@ -176,64 +138,6 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
         except StoreError as exc:
             raise http_error(exc) from None
 
-    def _echo_state(self, req: TurnRequest) -> tuple[RolloutState | None, list[dict]]:
-        try:
-            return state_from_echo(req.messages, template=self.template, tools=req.tools, vocab_size=self.vocab_size,
-                                   chat_template_kwargs=self._template_kwargs(req),
-                                   reasoning_policy=self.config.service.reasoning_policy,
-                                   whitespace_policy=self.config.service.whitespace_policy)
-        except _CLIENT_ERRORS as exc:
-            raise http_error(exc) from None
-
-    def _required_prefix(self, value: Any) -> list[int] | None:
-        try:
-            return checked_prefix(value, self.vocab_size)
-        except InvalidPrefix as exc:
-            raise http_error(exc) from None
-
-    def _plan(self, state, messages, req: TurnRequest, prefix: list[int] | None = None):
-        """The prompt plan; with a required prefix (docs/data-plane.md): a stateless call, or a rollout's
-        first call, continues the prefix (``plan_on_prefix``); a stored rollout's prompt comes from its
-        own ids as always and must start with the prefix (409 ``prefix_mismatch`` otherwise)."""
-        try:
-            if req.rollout_id is not None or prefix is not None:
-                # A stored rollout (or a required prefix) does not use echoed ids, but malformed
-                # ones are still a client bug: the same 400 as in stateless mode.
-                checked_echo(messages, self.vocab_size)
-            if prefix is not None and (state is None or not state.turn):
-                return plan_on_prefix(prefix, messages, template=self.template, tools=req.tools,
-                                      chat_template_kwargs=self._template_kwargs(req),
-                                      reasoning_policy=self.config.service.reasoning_policy,
-                                      segment_index=len(state.segments) if state is not None else 0,
-                                      base_turn=state.turn if state is not None else 0)
-            plan = build_prompt(state, messages, tools=req.tools, chat_template_kwargs=self._template_kwargs(req),
-                                template=self.template,
-                                history_policy=req.history_policy or self.config.service.history_policy,
-                                reasoning_policy=self.config.service.reasoning_policy,
-                                whitespace_policy=self.config.service.whitespace_policy)
-        except _CLIENT_ERRORS as exc:
-            raise http_error(exc) from None
-        if prefix is not None and plan.prompt_ids[: len(prefix)] != prefix:
-            ids = plan.prompt_ids
-            at = next((j for j, (a, b) in enumerate(zip(ids, prefix)) if a != b), min(len(ids), len(prefix)))
-            raise ServiceError(409, f"required_prefix_token_ids ({len(prefix)} ids) differ at position {at} from the "
-                               f"{len(ids)}-id prompt rollout {req.rollout_id!r} continues from its stored tokens "
-                               "(normally the prefix is the previous call's prompt + generation)",
-                               type="conflict_error", param="required_prefix_token_ids", code="prefix_mismatch")
-        return plan
-
-    def _token_plan(self, state, req: TurnRequest):
-        """The plan of a token-in call: the ids checked against the vocabulary, then continued or forked."""
-        ids = req.prompt_token_ids
-        bad = next((t for t in ids if not (0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is out of range (vocabulary size {self.vocab_size})", param="token_ids")
-        try:
-            return plan_on_tokens(state if req.rollout_id is not None else None, ids,
-                                  history_policy=req.history_policy or self.config.service.history_policy)
-        except HistoryConflict as exc:
-            raise http_error(exc) from None
-
     def token_strs(self, ids, tops=None, context=()) -> list[dict[int, str]]:
         return self.texts.token_strs(ids, tops, context)
 
@@ -253,7 +157,7 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
         """Run one model call: ``TokenDelta`` events (streaming only), then one ``TurnResult``."""
         if req.rollout_id is not None:
             get_metrics().rollout_seen(req.rollout_id)
-        return _counted("stateful" if req.rollout_id is not None else "stateless", self._run_turn(req))
+        return counted_call("stateful" if req.rollout_id is not None else "stateless", self._run_turn(req))
 
     async def _run_turn(self, req: TurnRequest) -> AsyncIterator[TokenDelta | TurnResult]:
         rollout_id = optional_rollout_id(req.rollout_id)
@@ -519,144 +423,6 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups):
         if out.tool_calls:
             message["tool_calls"] = out.tool_calls
         return message, out.reasoning_tokens
-
-    # ------------------------------------------------------------------ completions
-    def run_completion(self, call: CompletionCall) -> AsyncIterator[TokenDelta | TurnResult]:
-        """Raw completion on token ids (or text): no rollout semantics, no chat template."""
-        return _counted("completion", self._run_completion(call))
-
-    async def _run_completion(self, call: CompletionCall) -> AsyncIterator[TokenDelta | TurnResult]:
-        prompt = call.prompt
-        ids_in = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
-        cut = truncated(ids_in, call.truncate_prompt_tokens, call.truncation_side, max_model_len=self.max_model_len,
-                        max_tokens=call.max_tokens if call.max_tokens_given else None)
-        requested = call.max_tokens
-        if cut is not ids_in:  # the prompt is what is left of it, echoed text included
-            prompt = ids_in = cut
-        if call.truncate_prompt_tokens is not None:
-            requested = fitted(requested, len(ids_in), self.max_model_len)
-        bad = next((t for t in ids_in if not (0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise bad_request(f"prompt token id {bad} is out of range (vocabulary size {self.vocab_size})", param="prompt")
-        sampling = self._sampling(call.sampling, call.top_logprobs, call.structured_outputs)
-        max_tokens = self._max_tokens(requested, len(ids_in))
-        echo = ({"text": "" if not call.echo_text else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids_in),
-                 "first_token": self.tokenizer.decode([ids_in[0]])} if call.echo else None)
-        decoder = StreamParser(self.tokenizer, reasoning_parser=None, chat_template_kwargs=None, prompt_ids=ids_in,
-                               hold_tool_calls=False, stop=sampling.stop,
-                               include_stop=sampling.include_stop_str_in_output) if call.stream else None
-        ids, lps, tops, final = [], [], [], None
-        prompt_sent = False
-        prompt_lps = None
-        async for chunk in self._generate(None, ids_in, sampling, max_tokens, stream=call.stream):
-            ids += chunk.token_ids
-            lps += chunk.logprobs
-            tops += chunk.top_logprobs or []
-            if chunk.prompt_logprobs is not None and prompt_lps is None:
-                prompt_lps = chunk.prompt_logprobs
-            final = chunk
-            if decoder is not None and (chunk.token_ids or chunk.finish_reason):
-                _, text = decoder.push(chunk.token_ids, finished=chunk.finish_reason is not None,
-                                       stop_reason=chunk.stop_reason)
-                if call.discard_output:
-                    text = ""
-                if echo is not None and not prompt_sent:  # vLLM: the first chunk starts with the prompt's text
-                    text = echo["text"] + text
-                if chunk.token_ids or text:
-                    yield TokenDelta(token_ids=chunk.token_ids, logprobs=chunk.logprobs, top_logprobs=chunk.top_logprobs,
-                                     content=text, prompt_token_ids=None if prompt_sent else ids_in,
-                                     token_strs=self.token_strs(chunk.token_ids, chunk.top_logprobs,
-                                                                context_of(ids, len(chunk.token_ids)))
-                                     if call.want_token_strs else None)
-                    prompt_sent = True
-        stop_string = ((final.stop_reason, sampling.include_stop_str_in_output)
-                       if isinstance(final.stop_reason, str) else None)
-        yield TurnResult(
-            prompt_token_ids=ids_in, generation_token_ids=ids, generation_log_probs=lps, top_logprobs=tops or None,
-            finish_reason=final.finish_reason or "stop", stop_reason=final.stop_reason, message={},
-            text=generation_text(self.tokenizer, ids, sampling.skip_special_tokens, stop_string),
-            weight_versions=[{"version": v, "start": s, "end": e, "kv_version": kv}
-                             for v, s, e, kv in kv_spans(final.weight_versions or [], final.kv_resets, final.kv_base)],
-            engine_index=final.engine_index, token_strs=self.token_strs(ids, tops) if call.want_token_strs else None,
-            prompt_logprobs=self.prompt_logprobs(ids_in, prompt_lps) if prompt_lps is not None else None,
-            echo=echo, discard_output=call.discard_output,
-        )
-
-    # ------------------------------------------------------------------ engine
-    def _group(self, req: TurnRequest, state: RolloutState | None, prompt_ids: list[int]) -> str | None:
-        """The group whose home engine the rollout's first call starts on, under
-        routing.group_placement together or as a member of a call with n > 1: its group
-        (X-Rollout-Group or the call's), else the digest of its first prompt, which a GRPO group's
-        rollouts share. None: the routing policy alone decides."""
-        if req.rollout_id is None or not (req.group_together or self.config.routing.group_placement == "together"):
-            return None
-        if state is not None and state.turn:
-            return None  # its later calls follow its own pin (or, if that engine left, the least loaded)
-        if req.rollout_group is not None:
-            return req.rollout_group
-        return "prompt:" + hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=12).hexdigest()
-
-    async def _generate(self, rollout_id, prompt_ids, sampling, max_tokens, stream=True, routed=None, group=None):
-        """Generate on the rollout's engine, failing over to another engine while nothing was passed
-        on (:meth:`FleetClient.generate_with_failover`). Streaming calls get the engine's chunks as
-        they come; a non-streaming call is one round trip. ``routed`` gets each attempt's route; a
-        pin moved by the routing policy is counted here and at the fleet."""
-        request = GenerateRequest(prompt_ids=list(prompt_ids), sampling=sampling, max_tokens=max_tokens,
-                                  rollout_id=rollout_id)
-        routed = [] if routed is None else routed
-        chunks = self.fleet.generate_with_failover(rollout_id, request, stream, routed=routed, group=group)
-        seams = SeamStops(self.tokenizer, sampling.stop, sampling.skip_special_tokens) if sampling.stop else None
-        drawn = self.canary is not None and self.canary.draw()
-        ids: list[int] = []
-        lps: list[float] = []
-        try:
-            async for chunk in chunks:
-                if seams is not None:
-                    passed = seams.feed(chunk)
-                    if passed is not chunk:  # a stop string across a migration seam ends it here
-                        yield passed
-                        return  # (closing the call aborts the rest in the engine)
-                if drawn:
-                    ids += chunk.token_ids
-                    lps += chunk.logprobs
-                    if chunk.finish_reason is not None and routed:
-                        self.canary.take(Generation(
-                            prompt_ids=request.prompt_ids, token_ids=ids, logprobs=lps, sampling=sampling,
-                            slot=routed[-1].member.slot, weight_versions=list(chunk.weight_versions or ()),
-                            migrations=chunk.migrations, kv_resets=chunk.kv_resets, kv_base=chunk.kv_base))
-                yield chunk
-        except (NoEngineAvailable, EngineLostDuringCall, EngineCallDeadline) as exc:
-            raise http_error(exc) from None
-        except Exception as exc:
-            refused = engine_refusal(exc)
-            if refused is not None:
-                raise refused from None
-            raise
-        finally:
-            await chunks.aclose()
-            if any(r.moved for r in routed):
-                get_metrics().pin_moved()
-                self.fleet.report_pin_move()
-
-
-
-
-async def _counted(mode: str, events: AsyncIterator) -> AsyncIterator:
-    """A call's events, counted (calls by mode) and in flight while they run (metrics)."""
-    metrics = get_metrics()
-    metrics.call_started(mode)
-    ended = False
-    try:
-        async for event in events:
-            if isinstance(event, TurnResult) and not ended:
-                # The call is over once its result exists: not when (or whether) the consumer
-                # closes this generator after reading it.
-                ended = True
-                metrics.call_ended(mode)
-            yield event
-    finally:
-        if not ended:
-            metrics.call_ended(mode)
 
 
 def _vocab_size(config: RolloutServiceConfig, tokenizer) -> int:
