@@ -14,10 +14,11 @@ import argparse
 import asyncio
 import csv
 import math
+import random
 
 import torch
 
-from serve_helpers import load_example
+from serve_helpers import MODEL, load_example
 
 REQUIRED = ["step", "reward_mean", "ratio_dev_e4_current", "ratio_dev_e4_stale", "kl_k3", "clip_rate", "entropy",
             "lag_mean", "lag_max", "refit_stall_s", "weight_version", "correction", "tis_clipped", "mis_masked",
@@ -33,7 +34,6 @@ def test_grpo_steps_through_the_service_are_on_policy_and_refit_each_step(servic
 
     from rollout_service.refit.client import TrainerClient
     from rollout_service.refit.controller import get_controller
-    from serve_helpers import MODEL
 
     grpo = _example()
     controller = get_controller()
@@ -44,11 +44,18 @@ def test_grpo_steps_through_the_service_are_on_policy_and_refit_each_step(servic
                               seed=0, frequent_ids=20_000, model=MODEL, out=str(tmp_path / "run"))
     try:
         rows = asyncio.run(grpo.train(args, service.url, controller, str(tiny_model_dir)))
+        # --max-staleness 0: a refit lands between the group's first turn and its members' second
+        # turns (every second turn waits for it), so each member is one version behind: refused,
+        # dropped from the step, nothing stored; the group shows it stale.
+        weights = load_file(str(tiny_model_dir / "model.safetensors"))
+        kept, group = asyncio.run(_group_across_a_refit(grpo, service.url, trainer, weights, tmp_path.name[-6:]))
     finally:
         restore = trainer.refit(f"restored-{tmp_path.name[-6:]}", load_file(str(tiny_model_dir / "model.safetensors")),
                                 transport="object_store")
         assert restore["ok"]
-    assert len(rows) == 3
+    assert kept == [] and group["size"] == 2 and group["states"]["stale"] == 2, group
+    assert all(m["turns"] == 1 for m in group["members"]), group  # the refused turn stored nothing
+    assert len(rows) == 3 and all(r["stale_dropped"] == 0 for r in rows)  # no bound: none dropped
     first = rows[0]
     assert first["tokens"] > 0 and first["tokens_stale"] == 0
     assert first["ratio_dev_e4_current"] < 0.1, first  # |ratio - 1| < 1e-5 on average: exact ids, processed logprobs
@@ -68,6 +75,29 @@ def test_grpo_steps_through_the_service_are_on_policy_and_refit_each_step(servic
     assert set(REQUIRED) <= set(table[0]) and [int(t["step"]) for t in table] == [0, 1, 2]
     assert (tmp_path / "run" / "curves.png").stat().st_size > 10_000
     assert torch.isfinite(torch.tensor([float(t["reward_mean"]) for t in table])).all()
+
+
+async def _group_across_a_refit(grpo, base_url: str, trainer, weights, tag: str):
+    """examples/grpo's one_group under --max-staleness 0 with a refit before the members' second
+    turns; returns the trajectories it kept and the group's document."""
+    import httpx
+
+    args = argparse.Namespace(model=MODEL, max_tokens=4, temperature=1.0, top_k=64, group_size=2, max_staleness=0)
+    refit, group_ids = [], []
+
+    async def refit_before_second_turns(request):
+        if "x-max-staleness" not in request.headers:
+            group_ids.append(request.headers.get("x-rollout-id"))
+            return
+        if not refit:
+            refit.append(asyncio.ensure_future(trainer.arefit(f"stale-{tag}", weights, transport="object_store")))
+        assert (await refit[0])["ok"]
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=120,
+                                 event_hooks={"request": [refit_before_second_turns]}) as client:
+        kept = await grpo.one_group(client, "Task: describe a river.", args, random.Random(0))
+        group = (await client.get(f"/v1/groups/{group_ids[0]}")).json()
+    return kept, group
 
 
 def test_the_naive_baseline_retokenizes_and_puts_the_reported_logprobs_on_by_position(tiny_tokenizer):

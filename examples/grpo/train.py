@@ -61,7 +61,8 @@ from rollout_service.training import (  # noqa: E402
 # diagnostics compare against (the trainer's weights before the step).
 COLUMNS = ["step", "reward_mean", "ratio_dev_e4_current", "ratio_dev_e4_stale", "ratio_dev_e4_mixed", "kl_k3", "clip_rate", "entropy",
            "lag_mean", "lag_max", "refit_stall_s", "weight_version", "trainer_version", "tokens", "tokens_current",
-           "tokens_stale", "tokens_mixed", "loss", "wall_s", "correction", "tis_clipped", "mis_masked", "icepop_masked"]
+           "tokens_stale", "tokens_mixed", "loss", "wall_s", "correction", "tis_clipped", "mis_masked", "icepop_masked",
+           "stale_dropped"]
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
 
@@ -239,9 +240,11 @@ async def rollout(client: httpx.AsyncClient, prompt: str, args, rng: random.Rand
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
     turns = []
     for turn in range(2):
-        r = await client.post("/v1/chat/completions", headers=headers, json={
+        r = await client.post("/v1/chat/completions", headers={**headers, **({} if naive else staleness_header(args, turn))}, json={
             "model": args.model, "messages": messages, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "seed": rng.randrange(2**31), **({"top_k": args.top_k} if args.top_k > 0 else {})})
+        if stale(r):
+            return None
         if r.status_code != 200:
             raise RuntimeError(f"{rid} turn {turn + 1}: {r.status_code} {r.text[:300]}")
         message = r.json()["choices"][0]["message"]
@@ -258,10 +261,23 @@ async def rollout(client: httpx.AsyncClient, prompt: str, args, rng: random.Rand
     return r.json()
 
 
+def staleness_header(args, turn: int) -> dict[str, str]:
+    """``--max-staleness K``: a rollout's later turns are admitted only while its oldest token is at
+    most K versions behind the engines' (409 ``rollout_stale`` beyond it; docs/data-plane.md)."""
+    bound = getattr(args, "max_staleness", None)
+    return {"X-Max-Staleness": str(bound)} if bound is not None and turn > 0 else {}
+
+
+def stale(r: httpx.Response) -> bool:
+    """The turn was refused by the staleness bound: the rollout is dropped (nothing was generated)."""
+    return r.status_code == 409 and (r.json().get("error") or {}).get("code") == "rollout_stale"
+
+
 async def one_group(client: httpx.AsyncClient, prompt: str, args, rng: random.Random) -> list[dict]:
     """One GRPO group as the service forms it: the first turn of all G rollouts in one call (``n = G``
     under the group's rollout id R: rollouts R/0 .. R/{G-1}, one prompt), then each member's second
-    turn on its own; the members' trajectories read back as the group (``GET /v1/groups/R``)."""
+    turn on its own; the members' trajectories read back as the group (``GET /v1/groups/R``). A
+    member refused by ``--max-staleness`` is left out (the group's state shows it ``stale``)."""
     rid = f"grpo-{uuid.uuid4().hex[:12]}"
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
     sampling = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -277,19 +293,22 @@ async def one_group(client: httpx.AsyncClient, prompt: str, args, rng: random.Ra
         history = messages + [{"role": "assistant", "content": answer},
                               {"role": "user", "content": f"[tool: word_count] {len(answer.split())} words. Continue."}]
         member = message["rollout"]["id"]
-        r = await client.post("/v1/chat/completions", headers={"X-Rollout-Id": member},
+        r = await client.post("/v1/chat/completions", headers={"X-Rollout-Id": member, **staleness_header(args, 1)},
                               json={**sampling, "messages": history, "seed": rng.randrange(2**31)})
+        if stale(r):
+            return
         if r.status_code != 200:
             raise RuntimeError(f"{member} turn 2: {r.status_code} {r.text[:300]}")
 
     await asyncio.gather(*[second_turn(c) for c in r.json()["choices"]])
     r = await client.get(f"/v1/groups/{rid}", params={"trajectories": "true"})
     r.raise_for_status()
-    return [m["trajectory"] for m in r.json()["members"]]
+    return [m["trajectory"] for m in r.json()["members"] if m["state"] != "stale"]
 
 
-async def collect(base_url: str, step: int, args) -> tuple[list[dict], list[float], list[float]]:
-    """P groups of G rollouts; returns trajectories, their rewards, their group-relative advantages."""
+async def collect(base_url: str, step: int, args) -> tuple[list[dict], list[float], list[float], int]:
+    """P groups of G rollouts; returns trajectories, their rewards, their group-relative advantages
+    (over the members kept), and how many rollouts ``--max-staleness`` dropped."""
     rng = random.Random(args.seed * 1000 + step)
     prompts = [f"Task {step}.{p}: describe a {rng.choice(['river', 'city', 'tool', 'song'])}." for p in range(args.prompts)]
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
@@ -301,12 +320,14 @@ async def collect(base_url: str, step: int, args) -> tuple[list[dict], list[floa
             groups = await asyncio.gather(*[one_group(client, prompt, args, random.Random(rng.random()))
                                             for prompt in prompts])
     trajectories, rewards, advantages = [], [], []
+    dropped = 0
     for group in groups:
+        dropped += args.group_size - len(group := [t for t in group if t is not None])
         r = [reward_of(t, args.frequent_ids) for t in group]
         trajectories += group
         rewards += r
         advantages += group_advantages(r)
-    return trajectories, rewards, advantages
+    return trajectories, rewards, advantages, dropped
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -345,14 +366,16 @@ async def train(args, base_url: str, controller, model_path: str) -> list[dict]:
         pending = asyncio.create_task(collect(base_url, 0, args))
         for step in range(args.steps):
             t0 = time.perf_counter()
-            trajectories, rewards, advantages = await pending
+            trajectories, rewards, advantages, dropped = await pending
+            if not trajectories:
+                raise RuntimeError(f"step {step}: --max-staleness {getattr(args, "max_staleness", None)} dropped all {dropped} rollouts")
             if step + 1 < args.steps and not args.sync:  # the next step's rollouts run while this one trains
                 pending = asyncio.create_task(collect(base_url, step + 1, args))
             result = await trainer.step.remote(step, trajectories, advantages)
             if step + 1 < args.steps and args.sync:  # on the weights this step published
                 pending = asyncio.create_task(collect(base_url, step + 1, args))
             row = {"step": step, "reward_mean": sum(rewards) / len(rewards), **result,
-                   "wall_s": time.perf_counter() - t0}
+                   "wall_s": time.perf_counter() - t0, "stale_dropped": dropped}
             rows.append(row)
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
             f.flush()
@@ -399,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a train/inference mismatch correction (rollout_service.training.corrections): the ratio "
                         "against the trainer's own logprobs before the step, times a per-token weight truncated (tis) "
                         "or masked (mis, icepop); metrics.csv records the share of tokens each would clip or mask")
+    p.add_argument("--max-staleness", type=int, metavar="K",
+                   help="a rollout's second turn is admitted only while its first turn's tokens are at most K "
+                        "versions behind the engines' (X-Max-Staleness); a refused rollout is dropped from the "
+                        "step (metrics.csv: stale_dropped). Default: no bound")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staging", choices=("overlap", "inside"), default="overlap",
                    help="refit.staging of the service this run starts: the new weights staged while the engine "
