@@ -110,7 +110,7 @@ async def run_events(runner, req, on_event=None) -> list[dict]:
     """The runner's events as dicts (``kind`` delta / final), or the error as its tagged result last."""
     from dataclasses import asdict
 
-    from rollout_service.serve.protocol.openai import ServiceError
+    from rollout_service.serve.protocol.envelope import ServiceError
     from rollout_service.serve.turn_types import TokenDelta
 
     events: list[dict] = []

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from fleet_helpers import new_rid, run_events, turn_request
-from rollout_service.serve.protocol.openai import ServiceError
+from rollout_service.serve.protocol.envelope import ServiceError
 
 
 async def _first_call(runner, rid: str) -> tuple[list[dict], dict]:

@@ -227,7 +227,8 @@ def test_engine_detokenizes_only_for_stop_strings():
     ({"stream": True, "prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_request_fields_vllm_refuses_are_refused_naming_them_as_vllm_does(body, param):
-    from rollout_service.serve.protocol.openai import ChatCompletionRequest, CompletionRequest, ServiceError
+    from rollout_service.serve.protocol.envelope import ServiceError
+    from rollout_service.serve.protocol.openai import ChatCompletionRequest, CompletionRequest
 
     for model, base in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})):
         with pytest.raises(ServiceError) as info:

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from rollout_service.serve.fanout import MAX_CHOICES, check_n, child_sampling, group_turns, merge_answers, merged_stream
-from rollout_service.serve.protocol.openai import ServiceError
+from rollout_service.serve.protocol.envelope import ServiceError
 from rollout_service.serve.turn_types import TurnRequest
 
 

@@ -78,7 +78,7 @@ async def test_the_data_plane_answers_507_store_full_when_redis_refuses_the_turn
     the rest of the runner it does not use."""
     from types import SimpleNamespace
 
-    from rollout_service.serve.protocol.openai import ServiceError
+    from rollout_service.serve.protocol.envelope import ServiceError
     from rollout_service.serve.turns import TurnRunner
 
     store = RedisRolloutStore.from_url(tiny_redis, ttl_seconds=1000)

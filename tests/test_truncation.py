@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_service.serve.protocol.openai import ServiceError
+from rollout_service.serve.protocol.envelope import ServiceError
 from rollout_service.serve.truncation import fitted, truncated
 
 IDS = [10, 11, 12, 13, 14]

@@ -42,12 +42,12 @@ from ray.serve.config import RequestRouterConfig
 from rollout_service.canary.stats import status_of as canary_status
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.fleet.routing import effective_policy, make_policy
+from rollout_service.serve.protocol.envelope import ServiceError
 from rollout_service.serve.protocol.openai import (
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     ResponsesRequest,
-    ServiceError,
     TokenizeRequest,
 )
 from rollout_service.serve.dialects import chat, completions, responses, tokens

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from rollout_service.engine.types import kv_spans
 from rollout_service.onpolicy.parsing import generation_text
 from rollout_service.serve.engine_calls import counted_call
-from rollout_service.serve.protocol.openai import bad_request
+from rollout_service.serve.protocol.envelope import bad_request
 from rollout_service.serve.streaming import StreamParser
 from rollout_service.serve.token_texts import context_of
 from rollout_service.serve.truncation import fitted, truncated

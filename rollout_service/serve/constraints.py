@@ -14,7 +14,7 @@ from typing import Any
 
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.onpolicy.parsing import structured_outputs_for, tool_parser_raises_strictness, vllm_error_param
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 from rollout_service.serve.turn_types import TurnRequest
 
 

@@ -23,7 +23,7 @@ from rollout_service.fleet.types import EngineCallDeadline, EngineLostDuringCall
 from rollout_service.metrics import get_metrics
 from rollout_service.onpolicy.types import RolloutState
 from rollout_service.serve.errors import engine_refusal, http_error
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 from rollout_service.serve.seams import SeamStops
 from rollout_service.serve.turn_types import TurnRequest, TurnResult
 

@@ -11,7 +11,7 @@ parameter it refused: a 400.
 from __future__ import annotations
 
 from rollout_service.engine.sampling import SamplingParamsError
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 
 
 def http_error(exc: BaseException, *, param: str | None = None) -> ServiceError:

@@ -22,7 +22,7 @@ import json
 import uuid
 from typing import Any, AsyncIterator
 
-from rollout_service.serve.protocol.openai import bad_request
+from rollout_service.serve.protocol.envelope import bad_request
 from rollout_service.serve.turn_types import TurnRequest
 from rollout_service.store.base import ROLLOUT_ID_MAX_LEN
 

@@ -23,7 +23,7 @@ from ray import serve
 from rollout_service.config import RolloutServiceConfig
 from rollout_service.serve.http import unexpected_error
 from rollout_service.serve.routing import DEPLOYMENT_NAME, ROLLOUT_HEADER, SESSION_HEADER_ENV
-from rollout_service.serve.protocol.openai import ServiceError
+from rollout_service.serve.protocol.envelope import ServiceError
 from rollout_service.serve.turn_types import TokenDelta, TurnAccepted, TurnError, TurnHeartbeat, TurnRequest, TurnResult
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import Any
 from rollout_service.onpolicy.groups import abort_creates, call_entry, group_document, member_order
 from rollout_service.serve.errors import http_error
 from rollout_service.serve.index_page import render_group_html
-from rollout_service.serve.protocol.openai import ServiceError
+from rollout_service.serve.protocol.envelope import ServiceError
 from rollout_service.store.base import StoreError, validate_rollout_id
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ metering, the API key as FastAPI's bearer security scheme (so OpenAPI documents 
 error envelope for every error (ours, Starlette's, FastAPI's validation), and the OpenAPI schema's
 error documentation.
 
-Errors are raised as :class:`~rollout_service.serve.protocol.openai.ServiceError`, which carries its
+Errors are raised as :class:`~rollout_service.serve.protocol.envelope.ServiceError`, which carries its
 HTTP status and code; this layer only renders them.
 """
 
@@ -26,7 +26,7 @@ from starlette.routing import Match
 from rollout_service.fleet.types import is_engine_death
 from rollout_service.metrics import RequestObservation, get_metrics
 from rollout_service.serve.dialects.common import unicode_body
-from rollout_service.serve.protocol.openai import ErrorResponse, ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ErrorResponse, ServiceError, bad_request
 from rollout_service.serve.turn_types import TokenDelta, TurnResult
 
 logger = logging.getLogger(__name__)

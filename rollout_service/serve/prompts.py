@@ -26,7 +26,7 @@ from rollout_service.onpolicy.prefix import checked_prefix, plan_on_prefix
 from rollout_service.onpolicy.tokens import plan_on_tokens
 from rollout_service.onpolicy.types import RolloutState
 from rollout_service.serve.errors import http_error
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 from rollout_service.serve.turn_types import TurnRequest
 
 _CLIENT_ERRORS = (HistoryConflict, UnsupportedConversation, InvalidEcho, InvalidPrefix, PrefixNotContinuable)

@@ -14,7 +14,7 @@ from rollout_service.onpolicy.trajectory import trajectory_export
 from rollout_service.onpolicy.types import RolloutState, Segment
 from rollout_service.serve.dialects.common import optional_rollout_id
 from rollout_service.serve.errors import http_error
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 from rollout_service.serve.turn_types import TurnRequest
 from rollout_service.serve.index_page import render_index_html
 from rollout_service.serve.viewer import render_trajectory_html

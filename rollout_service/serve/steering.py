@@ -21,7 +21,7 @@ from rollout_service.config import RolloutServiceConfig
 from rollout_service.metrics import get_metrics
 from rollout_service.onpolicy.types import RolloutState
 from rollout_service.serve.errors import http_error
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 from rollout_service.serve.turn_types import TurnRequest
 from rollout_service.store.base import RolloutAborted, StoreError, validate_rollout_id
 

@@ -14,7 +14,7 @@ rollout id a cut prompt is not the history the rollout holds (docs/data-plane.md
 
 from __future__ import annotations
 
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 
 
 def fitted(requested: int | None, prompt_len: int, max_model_len: int) -> int | None:

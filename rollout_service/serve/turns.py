@@ -33,7 +33,7 @@ from rollout_service.onpolicy import (
 from rollout_service.onpolicy.parsing import count_reasoning_tokens, generation_text
 from rollout_service.onpolicy.replay import NotReplayable, find_turn, replay_turn, stored_answer
 from rollout_service.onpolicy.types import RolloutState, WeightSpan
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 from rollout_service.serve.completions import RawCompletions
 from rollout_service.serve.constraints import (
     Constraints,

@@ -16,14 +16,10 @@ from openai.types.chat import chat_completion_chunk as ch
 from openai.types.chat.chat_completion_message import ChatCompletionMessage
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
 
-from rollout_service.serve.protocol.openai import (
-    CHAT_UNHONOURED,
-    ChatCompletionRequest,
-    ServiceError,
-    refuse_unhonoured,
-    response_format_dict,
-    template_kwargs,
-)
+from rollout_service.serve.protocol.envelope import ServiceError
+from rollout_service.serve.protocol.messages import response_format_dict
+from rollout_service.serve.protocol.openai import ChatCompletionRequest, template_kwargs
+from rollout_service.serve.protocol.unhonoured import CHAT_UNHONOURED, refuse_unhonoured
 from rollout_service.serve.dialects.common import (
     RolloutHeaders,
     RunningUsage,

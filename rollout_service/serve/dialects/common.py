@@ -12,7 +12,7 @@ from openai.types.completion_usage import CompletionUsage
 from pydantic import BaseModel
 
 from rollout_service.serve.errors import http_error
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 from rollout_service.serve.token_texts import LOGPROB_FLOOR
 from rollout_service.serve.turn_types import ToolChoice
 from rollout_service.store.base import ROLLOUT_ID_MAX_LEN, ROLLOUT_ID_PATTERN, InvalidRolloutId, validate_rollout_id

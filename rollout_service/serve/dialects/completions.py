@@ -15,7 +15,9 @@ from openai.types import completion_choice as cc
 from openai.types.completion_usage import CompletionUsage
 
 from rollout_service.onpolicy.parsing import completion_structured_outputs, vllm_error_param
-from rollout_service.serve.protocol.openai import COMPLETION_UNHONOURED, CompletionRequest, ServiceError, refuse_unhonoured
+from rollout_service.serve.protocol.envelope import ServiceError
+from rollout_service.serve.protocol.openai import CompletionRequest
+from rollout_service.serve.protocol.unhonoured import COMPLETION_UNHONOURED, refuse_unhonoured
 from rollout_service.serve.dialects.common import RunningUsage, clamped, continuous_usage, error_event, usage_of
 
 error_frame = error_event

@@ -22,15 +22,13 @@ from typing import Any, AsyncIterator
 
 from openai.types import responses as rt
 
-from rollout_service.serve.protocol.openai import (
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
+from rollout_service.serve.protocol.openai import ResponsesRequest, template_kwargs
+from rollout_service.serve.protocol.unhonoured import (
     OUTPUT_LOGPROBS,
     RESPONSES_INCLUDE_HONOURED,
     RESPONSES_UNHONOURED,
-    ResponsesRequest,
-    ServiceError,
-    bad_request,
     refuse_unhonoured,
-    template_kwargs,
 )
 from rollout_service.serve.protocol.responses import ECHO_FIELDS, input_to_messages, tools_to_chat
 from rollout_service.serve.dialects.common import RolloutHeaders, allowed_tools, token_logprobs, tool_choice_of

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 from rollout_service.serve.dialects.common import RolloutHeaders, error_event
 
 error_frame = error_event  # what serve/http.py sends when formatting a stream fails
-from rollout_service.serve.protocol.openai import ServiceError, bad_request
+from rollout_service.serve.protocol.envelope import ServiceError, bad_request
 from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
 
 ROUTE = "/inference/v1/generate"

@@ -1,356 +1,39 @@
-"""OpenAI wire models (chat, responses, completions, tokenize, models, errors) and our extensions.
+"""OpenAI request models (chat completions, Responses, completions, tokenize) and our extensions.
 
 Requests are validated here, at the edge, so a client mistake becomes a 400 naming the field
 before anything touches a rollout. Unknown extra fields are accepted (agents send vendor extras);
-fields we do read are typed strictly.
+fields we do read are typed strictly. What the requests are made of (messages, tools, response
+formats) is in :mod:`.messages`, the fields refused in :mod:`.unhonoured`, the error envelope in
+:mod:`.envelope`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, WithJsonSchema, field_validator, model_validator
-
-# The fields we read are typed strictly: a JSON ``true`` is not the integer 1, ``"0.5"`` is not a
-# number, ``1.0`` is not a token id (pydantic's lax mode would coerce each of them silently).
-Number = Annotated[float, Strict()]  # a JSON number (an integer is one too), never a bool or a string
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-
-# ----------------------------------------------------------------------------- errors
-class ServiceError(Exception):
-    """An error with its HTTP status, rendered as the OpenAI error envelope."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def envelope(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def to_result(self) -> dict[str, Any]:
-        """Tagged form that crosses a Serve handle without exception wrapping."""
-        return {"__error__": self.status, **self.envelope()}
-
-    @classmethod
-    def from_result(cls, result: dict[str, Any]) -> "ServiceError":
-        e = result["error"]
-        return cls(result["__error__"], e["message"], type=e.get("type") or "", param=e.get("param"), code=e.get("code"))
-
-
-class ErrorObject(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """The envelope every error answer carries (:meth:`ServiceError.envelope`), as the OpenAPI schema
-    documents it (OpenAI's error object)."""
-
-    error: ErrorObject
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ServiceError:
-    return ServiceError(400, message, param=param, code=code)
-
-
-# ----------------------------------------------------------------------------- chat
-class FunctionCall(_Lenient):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
-
-
-class ToolCall(_Lenient):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-# The JSON Schema of what the validators below accept (the OpenAPI schema; a fuzzer generating from
-# it sends what is served): text parts only, and content required except on assistant messages.
-_TEXT_PART = {"type": "object", "required": ["type", "text"],
-              "properties": {"type": {"enum": ["text", "input_text", "output_text"]}, "text": {"type": "string"}}}
-_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
-_CONTENT_UNLESS_ASSISTANT = {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
-                                       {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}]}
-
-
-class ChatMessage(_Lenient):
-    model_config = ConfigDict(json_schema_extra=_CONTENT_UNLESS_ASSISTANT)
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_CONTENT)] = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    # NeMo Gym echo fields (stateless mode)
-    prompt_token_ids: list[StrictInt] | None = None
-    generation_token_ids: list[StrictInt] | None = None
-    generation_log_probs: list[Number] | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _parts_are_text(cls, v):
-        if isinstance(v, list):
-            for i, part in enumerate(v):
-                if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
-                    raise ValueError(f"content part {i}: only text parts are supported")
-                if not isinstance(part.get("text"), str):
-                    raise ValueError(f"content part {i}: 'text' must be a string")
-        return v
-
-    @model_validator(mode="after")
-    def _role_rules(self):
-        if self.role == "tool" and self.content is None:
-            raise ValueError("a tool message needs content")
-        if self.role in ("user", "system", "developer") and self.content is None:
-            raise ValueError(f"a {self.role} message needs content")
-        return self
-
-    def to_plain(self) -> dict[str, Any]:
-        """A plain dict for the on-policy core: text content, developer -> system, OpenAI tool-call shape."""
-        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        d["content"] = content_text(self.content)
-        if self.name is not None:
-            d["name"] = self.name
-        if self.tool_calls:
-            d["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in self.tool_calls]
-        if self.tool_call_id is not None:
-            d["tool_call_id"] = self.tool_call_id
-        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
-        if reasoning is not None:
-            d["reasoning_content"] = reasoning
-        for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
-            v = getattr(self, k)
-            if v is not None:
-                d[k] = v
-        return d
-
-
-def content_text(content: str | list[dict[str, Any]] | None) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p["text"] for p in content)
-
-
-class FunctionDef(_Lenient):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
-
-
-class ToolDef(_Lenient):
-    type: Literal["function"] = "function"
-    function: FunctionDef
-
-
-class NamedFunction(_Lenient):
-    name: str
-
-
-class NamedToolChoice(_Lenient):
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
-class AllowedTools(_Lenient):
-    mode: Literal["auto", "required"] = "auto"
-    tools: list[dict[str, Any]] = Field(min_length=1)
-
-
-class AllowedToolsChoice(_Lenient):
-    """OpenAI's ``allowed_tools``: the model may only call these (the prompt lists only them)."""
-
-    type: Literal["allowed_tools"]
-    allowed_tools: AllowedTools
-
-
-class _JSONSchemaSpec(_Lenient):
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = None
-
-
-class TextFormat(_Lenient):
-    type: Literal["text"]
-
-
-class JSONObjectFormat(_Lenient):
-    type: Literal["json_object"]
-
-
-class JSONSchemaFormat(_Lenient):
-    type: Literal["json_schema"]
-    json_schema: _JSONSchemaSpec
-
-
-ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
-
-
-class ResponsesJSONSchemaFormat(_JSONSchemaSpec):
-    type: Literal["json_schema"]
-
-
-class ResponsesTextConfig(_Lenient):
-    """Responses' ``text``: its ``format`` is chat's ``response_format`` with the schema fields inlined."""
-
-    format: Annotated[TextFormat | JSONObjectFormat | ResponsesJSONSchemaFormat, Field(discriminator="type")] | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
-
-    def response_format(self) -> dict[str, Any] | None:
-        """In chat-completions form (what the turn runner takes), ``None`` for plain text."""
-        f = self.format
-        if f is None or f.type == "text":
-            return None
-        if f.type == "json_object":
-            return {"type": "json_object"}
-        spec = f.model_dump(by_alias=True, exclude_none=True, exclude={"type"})
-        return {"type": "json_schema", "json_schema": spec}
-
-
-def response_format_dict(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | None) -> dict[str, Any] | None:
-    """Chat's ``response_format`` as the turn runner takes it (``None`` for plain text)."""
-    if fmt is None or fmt.type == "text":
-        return None
-    return fmt.model_dump(by_alias=True, exclude_none=True)
-
-
-# ----------------------------------------------------------------------------- fields not honoured
-# Fields of OpenAI's or vLLM's request models that this service does not honour. Unknown fields are
-# accepted (agents send vendor extras), but one of these with a value other than its inert default
-# would be answered as if it had not been sent: another distribution, prompt or output than the one
-# asked for. That is a 400 naming the field (``unsupported_parameter``), before anything is stored.
-_SAMPLER = "changes the sampling distribution, so the returned logprobs would not be the policy's own"
-_PROMPT = "the prompt is the rollout's own tokens, built by the service's chat template from the messages"
-_OUTPUT = "the service does not return it"
-_ENGINE = "the service schedules and caches engine requests itself"
-_STRUCTURED = ("use structured_outputs or response_format (chat) / text.format (Responses) or tool_choice for "
-               "constrained output")
-
-
-def _rule(why: str, *inert: Any) -> tuple[tuple[Any, ...], str]:
-    return inert, why
-
-
-_COMMON_UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": _rule(_SAMPLER, {}),
-    "min_tokens": _rule(_SAMPLER, 0),
-    "allowed_token_ids": _rule(_SAMPLER),
-    "bad_words": _rule(_SAMPLER, []),
-    "thinking_token_budget": _rule(_SAMPLER),
-    "logits_processors": _rule(_SAMPLER, []),
-    "vllm_xargs": _rule(_SAMPLER, {}),
-    "repetition_detection": _rule("it stops generations early, unlike the policy"),
-    "watermarking": _rule(_SAMPLER, False),
-    "best_of": _rule("one sample per call (each sample of a rollout is its own rollout id)", 1),
-    "use_beam_search": _rule("beam search is not sampling from the policy", False),
-    "length_penalty": _rule("beam search is not sampling from the policy", 1, 1.0),
-    "guided_json": _rule(_STRUCTURED),
-    "guided_regex": _rule(_STRUCTURED),
-    "guided_choice": _rule(_STRUCTURED),
-    "guided_grammar": _rule(_STRUCTURED),
-    "structural_tag": _rule(_STRUCTURED),
-    "return_token_offsets": _rule(_OUTPUT, False),
-    "return_prompt_text": _rule(_OUTPUT, False),
-    "return_mm_kwargs": _rule(_OUTPUT, False),
-    "spaces_between_special_tokens": _rule("the service detokenizes with the tokenizer's own spacing", True),
-    "include_reasoning": _rule("the reasoning is part of the rollout and always returned", True),
-    "mm_processor_kwargs": _rule("only text is served", {}),
-    "media_io_kwargs": _rule("only text is served", {}),
-    "prompt_embeds": _rule("only token ids or text are served"),
-    "priority": _rule(_ENGINE, 0),
-    "cache_salt": _rule(_ENGINE + " (prefix caching is salted per weight version)"),
-    "kv_transfer_params": _rule(_ENGINE, {}),
-    "ec_transfer_params": _rule(_ENGINE, {}),
-}
-
-CHAT_UNHONOURED = {
-    **_COMMON_UNHONOURED,
-    "chat_template": _rule(_PROMPT),
-    "add_generation_prompt": _rule(_PROMPT, True),
-    "continue_final_message": _rule(_PROMPT, False),
-    "add_special_tokens": _rule(_PROMPT, False),
-    "documents": _rule(_PROMPT, []),
-    "echo": _rule(_OUTPUT, False),
-    "functions": _rule("use tools (the legacy functions field is not read)", []),
-    "function_call": _rule("use tool_choice (the legacy function_call field is not read)"),
-    "audio": _rule("only text is served"),
-    "modalities": _rule("only text is served", ["text"]),
-    "prediction": _rule("predicted outputs are not served"),
-    "web_search_options": _rule("hosted tools are not served (function tools only)"),
-}
-
-COMPLETION_UNHONOURED = {
-    **_COMMON_UNHONOURED,
-    "suffix": _rule("insertion (suffix) is not served"),
-    "response_format": _rule(_STRUCTURED),
-}
-
-TOKENIZE_UNHONOURED = {
-    "chat_template": _rule(_PROMPT),
-    "continue_final_message": _rule(_PROMPT, False),
-    "documents": _rule(_PROMPT, []),
-    "mm_processor_kwargs": _rule("only text is served", {}),
-    "media_io_kwargs": _rule("only text is served", {}),
-}
-
-RESPONSES_UNHONOURED = {
-    **_COMMON_UNHONOURED,
-    "background": _rule("background responses are not served (nothing is kept by response id)", False),
-    "conversation": _rule("conversations are not kept by the service: send the full input"),
-    "prompt": _rule("stored prompt templates are not served: send the input"),
-    "truncation": _rule("the input is never truncated: it is the rollout's history", "disabled"),
-    "max_tool_calls": _rule("hosted tools are not served (function tools only)"),
-    "enable_response_messages": _rule(_OUTPUT, False),
-    "previous_input_messages": _rule("send the full input", []),
-    "prompt_logprobs": _rule(_OUTPUT + " (chat completions and completions return it)"),
-    "structured_outputs": _rule("use text.format (chat completions and completions take structured_outputs)"),
-    "truncate_prompt_tokens": _rule(_PROMPT),
-    "logprob_token_ids": _rule(_OUTPUT + " (chat completions and completions return it)"),
-}
-# Responses' include: what the service has of each output is already in it; these ask for more.
-# reasoning.encrypted_content: reasoning is returned as plain text anyway;
-# message.output_text.logprobs: the generation's logprobs on the message's output_text (as vLLM).
-OUTPUT_LOGPROBS = "message.output_text.logprobs"
-RESPONSES_INCLUDE_HONOURED = ("reasoning.encrypted_content", OUTPUT_LOGPROBS)
-
-
-def _inert(value: Any, inert: tuple[Any, ...]) -> bool:
-    """``None``, or equal to an inert default of the same kind (``false`` is not ``0``)."""
-    if value is None:
-        return True
-    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in inert)
-
-
-def refuse_unhonoured(req: BaseModel, table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
-    """A 400 ``unsupported_parameter`` for the first field of ``table`` sent with a live value."""
-    for name, value in (req.model_extra or {}).items():
-        rule = table.get(name)
-        if rule is not None and not _inert(value, rule[0]):
-            raise bad_request(f"{name} is not supported: {rule[1]}", param=name, code="unsupported_parameter")
-
-
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema, field_validator, model_validator
+
+from rollout_service.serve.protocol.envelope import bad_request
+from rollout_service.serve.protocol.messages import (
+    AllowedToolsChoice,
+    ChatMessage,
+    Lenient,
+    NamedToolChoice,
+    Number,
+    ResponseFormat,
+    ResponsesTextConfig,
+    ToolDef,
+)
+from rollout_service.serve.protocol.unhonoured import OUTPUT_LOGPROBS, TOKENIZE_UNHONOURED, refuse_unhonoured
+
+
+# ----------------------------------------------------------------------------- shared
 # vLLM's reasoning_effort values; as vLLM's server does, the effort reaches the chat template as
 # ``reasoning_effort``, and ``enable_thinking`` is ``effort != "none"`` unless the call sets it.
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
-class ResponsesReasoning(_Lenient):
+class ResponsesReasoning(Lenient):
     """Responses' ``reasoning``: ``effort`` as chat's ``reasoning_effort``. A ``summary`` is not
     generated: the reasoning itself is returned (a ``reasoning`` item with its text)."""
 
@@ -385,7 +68,7 @@ def prompt_logprobs_not_streamed(prompt_logprobs: int | None, stream: bool) -> N
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(Lenient):
     """Sampling fields shared by chat, responses and completions (OpenAI + vLLM extras)."""
 
     n: StrictInt | None = None
@@ -480,6 +163,7 @@ class GenerationFields(SamplingFields):
         return kwargs
 
 
+# ----------------------------------------------------------------------------- chat
 class ChatCompletionRequest(GenerationFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -599,7 +283,7 @@ class ResponsesRequest(SamplingFields):
 _NOTHING = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     # The forms as JSON Schema (the OpenAPI schema), as _one_of and refuse_unhonoured check them.
     model_config = ConfigDict(json_schema_extra={"oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"},

@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollout_service.serve.protocol.openai import FunctionDef, bad_request
+from rollout_service.serve.protocol.envelope import bad_request
+from rollout_service.serve.protocol.messages import FunctionDef
 
 ECHO_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
