@@ -29,34 +29,13 @@ import time
 from typing import Any
 
 from rollout_service.weights.worker_scoring import ScoringWorker
+from rollout_service.weights.worker_sources import (Recording, Source, StageJob, StagingFallback, checkpoint_bytes,
+                                                    checkpoint_files, merged, read_checkpoint, read_file, tensors_of)
 
 # The staging methods of this class that a background stage (rs_stage_begin) runs the work of.
 STAGE_COLLECTIVE_METHOD = "rs_stage_collective"
 STAGE_PATH_METHOD = "rs_stage_path"
 STAGE_FILE_METHOD = "rs_stage_safetensors_file"
-
-
-class _Source:
-    """Where the weights came from: a checkpoint directory, or checkpoint-format tensors in memory."""
-
-    def __init__(self, *, path: str | None = None, tensors: list[tuple[str, Any]] | None = None, buffers=None):
-        assert path is not None or tensors is not None
-        self.path = path
-        self.tensors = tensors  # with a path too: that checkpoint read ahead (a staged refit)
-        self.buffers = buffers  # receive buffers the tensors are views of (reused once dropped)
-
-    @property
-    def nbytes(self) -> int:
-        if self.tensors is None:
-            return 0
-        return sum(t.numel() * t.element_size() for _, t in self.tensors)
-
-    def describe(self) -> str:
-        return f"path {self.path}" if self.path else f"{len(self.tensors)} tensors in memory"
-
-    def settled(self) -> "_Source":
-        """Once loaded: a checkpoint read ahead is again just its path (the memory is released)."""
-        return _Source(path=self.path) if self.path is not None and self.tensors is not None else self
 
 
 class _InjectedLoadFault(RuntimeError):
@@ -147,7 +126,7 @@ class RolloutWorkerExtension(ScoringWorker):
         if not hasattr(self, "_rs_current"):
             # Before any refit the weights are the model's own checkpoint. (Read before any reload:
             # vLLM's reload_weights(weights_path=...) rewrites model_config.model to that path.)
-            self._rs_current = _Source(path=self.model_runner.vllm_config.model_config.model)
+            self._rs_current = Source(path=self.model_runner.vllm_config.model_config.model)
             self._rs_previous = None
             self._rs_staged = None
             self._rs_spare = None
@@ -161,7 +140,7 @@ class RolloutWorkerExtension(ScoringWorker):
             self._rs_drop(self._rs_previous)
             self._rs_previous = None
 
-    def _rs_drop(self, source: "_Source | None") -> None:
+    def _rs_drop(self, source: "Source | None") -> None:
         """A source no longer needed: its receive buffers serve the next collective refit."""
         if source is not None and source.buffers is not None:
             self._rs_spare = source.buffers
@@ -175,7 +154,7 @@ class RolloutWorkerExtension(ScoringWorker):
         return {"bytes": self._rs_staged.nbytes, "seconds": time.perf_counter() - t0}
 
     def _rs_collective_receiver(self, plan_json: str):
-        """What receives the broadcast (``() -> _Source``), its buffers allocated here, before any
+        """What receives the broadcast (``() -> Source``), its buffers allocated here, before any
         receive is posted (an allocation that fails raises with nothing posted)."""
         from rollout_service.weights.collective import BucketPlan, allocate_receive_buffers, receive_buckets
 
@@ -189,9 +168,9 @@ class RolloutWorkerExtension(ScoringWorker):
         except (MemoryError, RuntimeError) as exc:
             raise RuntimeError(f"receive buffers of {plan.total_bytes} bytes not allocated: {exc}") from exc
 
-        def receive() -> _Source:
+        def receive() -> Source:
             tensors, received = receive_buckets(group, plan, buffers)
-            return _Source(tensors=tensors, buffers=received)
+            return Source(tensors=tensors, buffers=received)
 
         return receive
 
@@ -200,7 +179,7 @@ class RolloutWorkerExtension(ScoringWorker):
         self._rs_new_round()
         self.rs_discard_staged()
         t0 = time.perf_counter()
-        self._rs_staged = _read_file(path, delete)
+        self._rs_staged = read_file(path, delete)
         return {"bytes": self._rs_staged.nbytes, "seconds": time.perf_counter() - t0}
 
     # ------------------------------------------------ staging while the engine generates
@@ -237,7 +216,7 @@ class RolloutWorkerExtension(ScoringWorker):
 
             nbytes = BucketPlan.from_json(args[0]).total_bytes
         elif method == STAGE_PATH_METHOD:
-            nbytes = _checkpoint_bytes(args[0])
+            nbytes = checkpoint_bytes(args[0])
         elif method == STAGE_FILE_METHOD:
             nbytes = os.path.getsize(args[0])
         else:
@@ -248,13 +227,13 @@ class RolloutWorkerExtension(ScoringWorker):
         if method == STAGE_COLLECTIVE_METHOD:
             work = self._rs_collective_receiver(args[0])  # raises on a failed allocation (nothing posted)
         elif method == STAGE_PATH_METHOD:
-            if not _checkpoint_files(args[0]):
+            if not checkpoint_files(args[0]):
                 return {"started": False, "bytes": nbytes,
                         "fallback": "no *.safetensors in the checkpoint: the load reads it inside the pause"}
-            work = lambda: _read_checkpoint(args[0])  # noqa: E731
+            work = lambda: read_checkpoint(args[0])  # noqa: E731
         else:
-            work = lambda: _read_file(args[0], bool(args[1]) if len(args) > 1 else True)  # noqa: E731
-        job = _StageJob(work, token, collective=method == STAGE_COLLECTIVE_METHOD)
+            work = lambda: read_file(args[0], bool(args[1]) if len(args) > 1 else True)  # noqa: E731
+        job = StageJob(work, token, collective=method == STAGE_COLLECTIVE_METHOD)
         self._rs_job = job
         threading.Thread(target=job.run, name="rs-stage", daemon=True).start()
         return {"started": True, "bytes": nbytes}
@@ -288,9 +267,9 @@ class RolloutWorkerExtension(ScoringWorker):
         """Checkpoint-directory transport inside the pause: nothing to receive, the load reads the
         files (an overlapped stage reads them beforehand: ``rs_stage_begin``)."""
         self._rs_new_round()
-        nbytes = _checkpoint_bytes(path)
+        nbytes = checkpoint_bytes(path)
         self.rs_discard_staged()  # (and a background stage left by an ended refit)
-        self._rs_staged = _Source(path=path)
+        self._rs_staged = Source(path=path)
         return {"bytes": nbytes, "seconds": 0.0}
 
     def rs_export_current(self, path: str) -> dict[str, Any] | None:
@@ -342,7 +321,7 @@ class RolloutWorkerExtension(ScoringWorker):
         self._rs_previous, self._rs_current = self._rs_current, staged
         t0 = time.perf_counter()
         if fail_after_tensors is not None:
-            self._rs_reload(weights_iterator=_failing_iter(_tensors_of(staged), fail_after_tensors))
+            self._rs_reload(weights_iterator=_failing_iter(tensors_of(staged), fail_after_tensors))
         else:
             self._rs_load(staged)
         self._rs_current = staged.settled()
@@ -386,7 +365,7 @@ class RolloutWorkerExtension(ScoringWorker):
         self.start_weight_update()
         engine = self.weight_transfer_engine
         self._rs_nccl_received = []
-        engine.set_weight_update_target(_Recording(engine.model, self._rs_nccl_received), engine.model_config)
+        engine.set_weight_update_target(Recording(engine.model, self._rs_nccl_received), engine.model_config)
 
     def rs_nccl_update(self, update_info: dict | list[dict]) -> None:
         self.update_weights(update_info=update_info)
@@ -398,9 +377,9 @@ class RolloutWorkerExtension(ScoringWorker):
         self._rs_nccl_received = None
         if received is None:
             raise RuntimeError("finish of an NCCL round that rs_nccl_start did not open")
-        full = _merged(self._rs_current, received)  # a round may send a subset of the weights
+        full = merged(self._rs_current, received)  # a round may send a subset of the weights
         self._rs_drop(self._rs_previous)
-        self._rs_previous, self._rs_current = self._rs_current, _Source(tensors=full)
+        self._rs_previous, self._rs_current = self._rs_current, Source(tensors=full)
         return {"tensors": len(received), "bytes": self._rs_current.nbytes}
 
     def rs_nccl_abort(self) -> dict[str, Any]:
@@ -420,7 +399,7 @@ class RolloutWorkerExtension(ScoringWorker):
             return self.rs_rollback()
         return self.rs_reload_current()
 
-    def _rs_load(self, source: _Source) -> None:
+    def _rs_load(self, source: Source) -> None:
         if source.tensors is not None:
             self._rs_reload(weights_iterator=iter(source.tensors))
         else:
@@ -444,146 +423,6 @@ class RolloutWorkerExtension(ScoringWorker):
             except Exception:  # the original error is the one to report
                 pass
             raise
-
-
-class StagingFallback(RuntimeError):
-    """This engine cannot hold a second copy of the weights for this refit: it stages inside the
-    pause instead (the refit report says so)."""
-
-
-class _StageJob:
-    """One background stage of refit ``token``: runs ``work`` (returns a :class:`_Source`) in a
-    worker thread; the poll that finds it done installs the source (``installed``)."""
-
-    def __init__(self, work, token: str | None, collective: bool = False):
-        import threading
-
-        self.work = work
-        self.token = token
-        self.collective = collective
-        self.installed = False
-        self.finished = threading.Event()
-        self.abandoned = False
-        self.source: _Source | None = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0
-
-    def run(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            source = self.work()
-            if not self.abandoned:
-                self.source = source
-        except BaseException as exc:  # noqa: BLE001 - handed to the poll that collects it
-            self.error = exc
-        finally:
-            self.seconds = time.perf_counter() - t0
-            self.finished.set()
-
-    def abandon(self) -> None:
-        self.abandoned = True
-        self.source = None
-
-
-def _checkpoint_bytes(path: str) -> int:
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory not found in the engine worker: {path}")
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-
-
-def _checkpoint_files(path: str) -> list[str]:
-    """The safetensors files vLLM's loader would read from a checkpoint directory (those its
-    ``model.safetensors.index.json`` names, when it has one)."""
-    import glob
-
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if files:
-        from vllm.model_executor.model_loader.weight_utils import filter_duplicate_safetensors_files
-
-        files = filter_duplicate_safetensors_files(files, path, "model.safetensors.index.json")
-    return files
-
-
-def _read_checkpoint(path: str) -> _Source:
-    """A checkpoint directory's tensors read into memory (it stays the source's path)."""
-    from safetensors.torch import load_file
-
-    files = _checkpoint_files(path)
-    if not files:
-        raise StagingFallback(f"no *.safetensors in the checkpoint directory {path}")
-    tensors: list[tuple[str, Any]] = []
-    for file in files:
-        tensors += list(load_file(file).items())
-    return _Source(path=path, tensors=tensors)
-
-
-def _read_file(path: str, delete: bool) -> _Source:
-    from safetensors.torch import load_file
-
-    try:
-        return _Source(tensors=list(load_file(path).items()))
-    finally:
-        if delete:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-
-class _Recording:
-    """The model as vLLM's weight-transfer engine sees it during an NCCL round: ``load_weights``
-    copies each (name, tensor) it is given to CPU into ``sink`` (the receive buffers are reused),
-    then the model loads it; everything else is the model's."""
-
-    def __init__(self, model, sink: list):
-        self._model, self._sink = model, sink
-
-    def load_weights(self, weights):
-        def tee():
-            for name, tensor in weights:
-                self._sink.append((name, tensor.detach().to("cpu", copy=True)))
-                yield name, tensor
-
-        return self._model.load_weights(tee())
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def __setattr__(self, name, value):  # vLLM's finalize sets flags on the model it was given
-        if name in ("_model", "_sink"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._model, name, value)
-
-
-def _merged(base: _Source, received: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """The full state after a round that loaded ``received`` over ``base``: the last tensor of
-    each received name, and ``base``'s for the names the round did not send."""
-    new = dict(received)
-    if base.tensors is not None:
-        return [*((n, t) for n, t in base.tensors if n not in new), *new.items()]
-    import glob
-
-    from safetensors import safe_open
-
-    missing = []
-    files = sorted(glob.glob(os.path.join(base.path, "*.safetensors")))
-    if not files:  # e.g. a hub id, not a directory: the full state cannot be recorded honestly
-        raise RuntimeError(f"cannot record the weights of a partial NCCL round over {base.path!r}: no "
-                           "*.safetensors there (engine.model must be a local checkpoint directory)")
-    for file in files:
-        with safe_open(file, "pt", device="cpu") as handle:
-            missing += [(n, handle.get_tensor(n)) for n in handle.keys() if n not in new]
-    return [*missing, *new.items()]
-
-
-def _tensors_of(source: _Source):
-    if source.tensors is not None:
-        return iter(source.tensors)
-    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
-    import glob
-
-    return safetensors_weights_iterator(sorted(glob.glob(os.path.join(source.path, "*.safetensors"))), False)
 
 
 def _failing_iter(it, n: int):
