@@ -13,11 +13,8 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0
 # This clone's code first, also in the processes the tests start (the cached venv may have another
 # clone registered: scripts/setup.sh).
 export PYTHONPATH="$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
-# Two streams side by side (tests/streams.py): the session service's tests in one pytest-xdist
-# worker, the rest in the other. ROLLOUT_SERVICE_TEST_STREAMS=0 runs everything in this one process.
-streams="${ROLLOUT_SERVICE_TEST_STREAMS:-2}"
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -n "$streams" "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
 rc=$?
 set -e
 t2=$(date +%s)

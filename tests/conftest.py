@@ -12,7 +12,7 @@ import pytest
 
 from rollout_service.store.embedded import embedded_redis
 
-pytest_plugins = [m for m in ("runtime_fixtures", "streams") if importlib.util.find_spec(m) is not None]
+pytest_plugins = [m for m in ("runtime_fixtures",) if importlib.util.find_spec(m) is not None]
 
 
 # What each heavy fixture starts, as markers: a test is marked by the fixtures it uses (directly
