@@ -368,7 +368,8 @@ async def train(args, base_url: str, controller, model_path: str) -> list[dict]:
             t0 = time.perf_counter()
             trajectories, rewards, advantages, dropped = await pending
             if not trajectories:
-                raise RuntimeError(f"step {step}: --max-staleness {getattr(args, "max_staleness", None)} dropped all {dropped} rollouts")
+                raise RuntimeError(f"step {step}: --max-staleness {getattr(args, 'max_staleness', None)} dropped all "
+                                   f"{dropped} rollouts")
             if step + 1 < args.steps and not args.sync:  # the next step's rollouts run while this one trains
                 pending = asyncio.create_task(collect(base_url, step + 1, args))
             result = await trainer.step.remote(step, trajectories, advantages)
