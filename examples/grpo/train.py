@@ -270,7 +270,13 @@ def staleness_header(args, turn: int) -> dict[str, str]:
 
 def stale(r: httpx.Response) -> bool:
     """The turn was refused by the staleness bound: the rollout is dropped (nothing was generated)."""
-    return r.status_code == 409 and (r.json().get("error") or {}).get("code") == "rollout_stale"
+    if r.status_code != 409:
+        return False
+    try:
+        error = r.json().get("error")
+    except ValueError:
+        return False
+    return isinstance(error, dict) and error.get("code") == "rollout_stale"
 
 
 async def one_group(client: httpx.AsyncClient, prompt: str, args, rng: random.Random) -> list[dict]:
@@ -287,6 +293,8 @@ async def one_group(client: httpx.AsyncClient, prompt: str, args, rng: random.Ra
     if r.status_code != 200:
         raise RuntimeError(f"{rid} turn 1 (n={args.group_size}): {r.status_code} {r.text[:300]}")
 
+    refused: set[str] = set()
+
     async def second_turn(choice: dict) -> None:
         message = choice["message"]
         answer = message["content"] or ""
@@ -296,6 +304,7 @@ async def one_group(client: httpx.AsyncClient, prompt: str, args, rng: random.Ra
         r = await client.post("/v1/chat/completions", headers={"X-Rollout-Id": member, **staleness_header(args, 1)},
                               json={**sampling, "messages": history, "seed": rng.randrange(2**31)})
         if stale(r):
+            refused.add(member)
             return
         if r.status_code != 200:
             raise RuntimeError(f"{member} turn 2: {r.status_code} {r.text[:300]}")
@@ -303,7 +312,7 @@ async def one_group(client: httpx.AsyncClient, prompt: str, args, rng: random.Ra
     await asyncio.gather(*[second_turn(c) for c in r.json()["choices"]])
     r = await client.get(f"/v1/groups/{rid}", params={"trajectories": "true"})
     r.raise_for_status()
-    return [m["trajectory"] for m in r.json()["members"] if m["state"] != "stale"]
+    return [m["trajectory"] for m in r.json()["members"] if m["id"] not in refused]
 
 
 async def collect(base_url: str, step: int, args) -> tuple[list[dict], list[float], list[float], int]:

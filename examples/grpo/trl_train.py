@@ -59,7 +59,11 @@ COLUMNS = {"reward": "reward_mean", "sampling/sampling_logp_difference/mean": "l
 async def collect(base_url: str, prompts: list[str], args, seed: int) -> list[dict]:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
-        return list(await asyncio.gather(*[rollout(client, p, args, random.Random(rng.random())) for p in prompts]))
+        out = list(await asyncio.gather(*[rollout(client, p, args, random.Random(rng.random())) for p in prompts]))
+    if any(t is None for t in out):  # TRL's rollout_func owes a completion for every prompt
+        raise RuntimeError(f"{out.count(None)} of {len(out)} rollouts were refused by the service's staleness "
+                           "bound (rollouts.max_staleness): this example cannot drop them")
+    return out
 
 
 def run(args, base_url: str, controller, model_path: str) -> list[dict]:
