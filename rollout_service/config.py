@@ -321,6 +321,11 @@ class ServiceConfig(_Strict):
     num_affinity_replicas: int = Field(
         2, ge=1, description="Replicas of the RolloutService deployment (HTTP + turns; every call of a rollout is "
         "routed to the same one by its rollout id).")
+    max_replicas_per_node: int | None = Field(
+        None, ge=1,
+        description="At most this many RolloutService replicas on one Ray node (Serve's max_replicas_per_node; None: "
+        "Serve's best-effort spread). Set it to spread the replicas over nodes for certain, so a node's death takes "
+        "only its share of the rollouts' owners.")
     history_policy: Literal["fork", "reject"] = Field(
         "fork", description="Edited history: fork a new trainable segment, or reject with 409."
     )

@@ -492,6 +492,8 @@ def build_app(args: dict[str, Any] | RolloutServiceConfig | None = None):
             request_router_class=ROUTER_CLASS,  # Ray's ConsistentHashRouter with Ray's routing loop (serve/routing.py)
             request_router_kwargs={"num_fallback_replicas": 0},
         )
+    if cfg.service.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = cfg.service.max_replicas_per_node
     deployment = serve.deployment(
         name=DEPLOYMENT_NAME,
         num_replicas=cfg.service.num_affinity_replicas,
