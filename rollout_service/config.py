@@ -40,6 +40,9 @@ class SimulatedEngineConfig(_Strict):
         350_000, ge=16, description="KV cache size in tokens: running sequences plus the prefix cache (LRU) share it; "
         "a request waits while the running ones fill it.")
     block_size: int = Field(16, ge=1, description="Prefix-cache granularity in tokens (vLLM's KV block).")
+    start_s: float = Field(
+        0.0, ge=0, description="Seconds the stand-in's start blocks its actor, as a real engine's model load does "
+        "(no call to it is answered meanwhile).")
 
 
 class EngineConfig(_Strict):

@@ -51,8 +51,8 @@ def run_order(items: list) -> list:
     """The order the suite runs in: the tests that start nothing first; then the ones that start a
     Ray cluster of their own (in a subprocess), on a machine no session engine competes for; then
     the session's Ray: each fixture of GROUPED_FIXTURES's users back to back and before the rest, so
-    it is released before the session service starts idling beside it; then the rest. Otherwise
-    the collection order (stable)."""
+    it is released before the session service starts idling beside it (a ``leaves_rig_healing`` test
+    last among them); then the rest. Otherwise the collection order (stable)."""
 
     def kind(item) -> int:
         if item.get_closest_marker("cluster") is None:
@@ -63,6 +63,8 @@ def run_order(items: list) -> list:
     rest = [i for i in items if kind(i) == 2]
     for fixture in GROUPED_FIXTURES:
         users = [i for i in rest if fixture in getattr(i, "fixturenames", ())]
+        # A test that leaves an engine of the rig still being replaced goes last: no later user waits for it.
+        users.sort(key=lambda i: i.get_closest_marker("leaves_rig_healing") is not None)
         out += users
         rest = [i for i in rest if fixture not in getattr(i, "fixturenames", ())]
     return out + rest

@@ -150,6 +150,7 @@ class SimulatedEngine(RefitSteps):
     async def start(self) -> float:
         if not self._started:
             t0 = time.perf_counter()
+            time.sleep(self.config.sim.start_s)  # blocking, as a model load: the actor answers nothing meanwhile
             model = self._model_path or self.config.resolved_model()
             self._vocab = _sample_vocab(model)
             self._worker = SimulatedWorker(model)

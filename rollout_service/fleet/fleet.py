@@ -201,19 +201,23 @@ class EngineFleet(CurrentWeights, Adoption, Monitor, BringUp, RefitBracket):
         if self._monitor is not None:
             self._monitor.cancel()
             self._monitor = None
-        for s in self.slots:  # no start, replacement or reload may bring an engine back into service now
+        bringing_up = set()
+        for i, s in enumerate(self.slots):  # no start, replacement or reload may bring an engine back into service now
             if s.task is not None:
+                if not s.task.done():
+                    bringing_up.add(i)
                 s.task.cancel()
         if drain:
             await self._drain()
 
-        async def stop(s: Slot):
+        async def stop(i: int, s: Slot):
             if s.actor is None:
                 return
-            try:
-                await asyncio.wait_for(s.actor.shutdown.remote(), timeout=20)
-            except Exception:
-                pass
+            if i not in bringing_up:  # one still starting would answer only once its start ended: killed at once
+                try:
+                    await asyncio.wait_for(s.actor.shutdown.remote(), timeout=20)
+                except Exception:
+                    pass
             self._kill(s)
             if s.placement is not None:
                 from rollout_service.fleet.placement import release_engine_placement
@@ -224,7 +228,7 @@ class EngineFleet(CurrentWeights, Adoption, Monitor, BringUp, RefitBracket):
                 except Exception:
                     pass
 
-        await asyncio.gather(*[stop(s) for s in self.slots])
+        await asyncio.gather(*[stop(i, s) for i, s in enumerate(self.slots)])
         async with self._changed:
             self._changed.notify_all()
 
