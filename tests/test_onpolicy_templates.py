@@ -121,3 +121,31 @@ def test_prefix_instability_is_real_for_some_templates():
         if not full.startswith(short):
             unstable.append(name)
     assert sorted(unstable) == sorted(["qwen3-reasoning-drop", "qwen3-all-assistant", "ours"])
+
+
+@pytest.mark.parametrize("name", all_template_names())
+@pytest.mark.parametrize("final", ["The answer is", "  spaced  ", ""])
+def test_an_open_prompt_is_cut_where_transformers_cuts_it(name, final):
+    """``add_generation_prompt: false`` / ``continue_final_message`` (stateless chat, as vLLM's
+    server): the text is transformers' own ``apply_chat_template`` text for the same messages, on
+    every shared template (those that keep the final message's spacing and those that strip it), or
+    the same refusal."""
+    from onpolicy_fixtures import tokenizer
+    from rollout_service.onpolicy.turn import build_open_prompt
+
+    t = template(name, check_window=False)
+    messages = [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": final}]
+    hf = tokenizer()
+    extra = {"bos_token": "<|endoftext|>"} if name == "mistral-instruct" else {}  # as template() gives it
+    for cont in (False, True):
+        try:
+            want = hf.apply_chat_template(messages, chat_template=t.source, tokenize=False,
+                                          add_generation_prompt=False, continue_final_message=cont, **extra)
+        except Exception as exc:  # transformers refuses (the final message's text does not show): so do we
+            with pytest.raises(UnsupportedConversation):
+                build_open_prompt(messages, template=t, continue_final_message=cont)
+            print(name, cont, "refused:", exc)
+            continue
+        plan = build_open_prompt(messages, template=t, continue_final_message=cont)
+        assert plan.prompt_text == want
+        assert plan.prompt_ids == encode(want)

@@ -437,11 +437,22 @@ ROWS = _rows() + [
       for label, fields in (("below-minus-one", {"prompt_logprobs": -2}), ("over-max", {"prompt_logprobs": 21}),
                             ("string", {"prompt_logprobs": "1"}), ("streamed", {"prompt_logprobs": 1, "stream": True}))],
     *[p(Bad("chat", {name: value}, param=name, code="unsupported_parameter"), id=f"chat-unhonoured-{name}")
-      for name, value in (("chat_template", "{{ messages }}"), ("add_generation_prompt", False),
-                          ("continue_final_message", True), ("echo", True), ("documents", [{"title": "t", "text": "x"}]),
+      for name, value in (("chat_template", "{{ messages }}"), ("documents", [{"title": "t", "text": "x"}]),
                           ("functions", [{"name": "lookup", "parameters": {}}]), ("function_call", "auto"),
                           ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
                           ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}))],
+    # vLLM's prompt forms: served without a rollout id (tests/test_serve_vs_vllm.py), refused under one
+    *[p(Bad("chat", fields, param=param, code="unsupported_parameter"), id=f"chat-{label}-under-a-rollout")
+      for label, fields, param in (
+          ("no-generation-prompt", {"add_generation_prompt": False}, "add_generation_prompt"),
+          ("continue-final-message", {"add_generation_prompt": False, "continue_final_message": True},
+           "continue_final_message"),
+          ("echo", {"echo": True}, "echo"))],
+    p(Bad("chat", {"add_generation_prompt": False, "required_prefix_token_ids": [151644]}, param="add_generation_prompt",
+          code="unsupported_parameter", headers={"X-Rollout-Id": None}), id="chat-no-generation-prompt-with-a-prefix"),
+    *[p(Bad("chat", fields, headers={"X-Rollout-Id": None}), id=f"chat-continue-final-message-{label}")
+      for label, fields in (("with-generation-prompt", {"continue_final_message": True, "add_generation_prompt": True}),
+                            ("with-the-default-generation-prompt", {"continue_final_message": True}))],
     *[p(Bad("completions", {name: value}, param=name, code="unsupported_parameter"), id=f"completions-unhonoured-{name}")
       for name, value in (("suffix", "x"), ("response_format", {"type": "json_object"}))],
     p(Bad("completions", {"echo": 1}, param="echo"), id="completions-echo-not-a-bool"),

@@ -27,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 TITO_REQUESTS, TITO_MAX_TOKENS = 4, 12
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Say hello to the world."}]
+CONTINUED = MESSAGES + [{"role": "assistant", "content": "Hello, wor"}]
+# Refused under a rollout id (400 unsupported_parameter naming the first of these the case sends).
+STATELESS_ONLY = ("truncate_prompt_tokens", "continue_final_message", "add_generation_prompt", "echo")
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 STRICT_TOOL = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
 
@@ -103,6 +106,22 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
         Case("chat_truncate_left", H, {**chat, "truncate_prompt_tokens": 7, "truncation_side": "left",
                                        "return_token_ids": True}, expect="stateless_only"),
         Case("chat_truncate", H, {**chat, "truncate_prompt_tokens": 5}, expect="stateless_only"),
+        # vLLM's prompt forms: stateless only (a prompt that is not the rollout's next history); the
+        # tiny model's template keeps the final message's spacing, so the cut is right after its text
+        Case("chat_continue_final", H, {**chat, "messages": CONTINUED, "add_generation_prompt": False,
+                                        "continue_final_message": True}, expect="stateless_only"),
+        Case("chat_continue_final_echo", H, {**chat, "messages": CONTINUED, "add_generation_prompt": False,
+                                             "continue_final_message": True, "echo": True, "logprobs": True},
+             expect="stateless_only"),
+        Case("chat_continue_final_echo_stream", H, {**chat, "messages": CONTINUED, "add_generation_prompt": False,
+                                                    "continue_final_message": True, "echo": True, "stream": True,
+                                                    "stream_options": {"include_usage": True}}, expect="stateless_only"),
+        Case("chat_no_generation_prompt", H, {**chat, "add_generation_prompt": False}, expect="stateless_only"),
+        Case("chat_echo_of_a_user_message", H, {**chat, "echo": True}, expect="stateless_only"),
+        Case("chat_continue_and_generation_prompt", H, {**chat, "messages": CONTINUED, "add_generation_prompt": True,
+                                                        "continue_final_message": True}),
+        Case("chat_continue_default_generation_prompt", H, {**chat, "messages": CONTINUED,
+                                                            "continue_final_message": True}),
         Case("chat_structured_choice", H, {**chat, "structured_outputs": {"choice": ["yes", "no"]}, "logprobs": True}),
         Case("chat_structured_json", H, {**chat, "max_tokens": 24, "structured_outputs": {"json": {
             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}),
@@ -220,7 +239,8 @@ def test_the_service_answers_as_vllms_own_server(service, vllm_side, name, under
         assert choice["finish_reason"] == ("stop" if named else "tool_calls"), choice
         return
     if case.expect == "stateless_only" and under_rollout:
-        assert ours.status == 400 and ours.error["param"] == "truncate_prompt_tokens", ours.body
+        param = next(p for p in STATELESS_ONLY if p in case.body)
+        assert ours.status == 400 and ours.error["param"] == param, ours.body
         assert ours.error["code"] == "unsupported_parameter"
         return
     if case.expect == "cut_text_prompt":

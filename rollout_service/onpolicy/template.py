@@ -39,6 +39,10 @@ class WindowMismatch(AssertionError):
     template whose tail depends on context the window drops)."""
 
 
+# transformers' marker for the end of the final message's text (continue_final_message)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 class ChatTemplate:
     """A HF chat template bound to its tokenizer, rendered exactly as ``apply_chat_template`` does.
 
@@ -130,6 +134,55 @@ class ChatTemplate:
         text = self.render(messages, tools=tools, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
         self._check_expressed(text, messages, range(len(messages)), tools, chat_template_kwargs, add_generation_prompt=True)
         return text
+
+    def render_open_prompt(
+        self, messages: list[dict[str, Any]], *, tools: list[dict] | None, chat_template_kwargs: dict | None,
+        continue_final_message: bool,
+    ) -> str:
+        """A whole prompt without the generation prompt (``add_generation_prompt: false``); with
+        ``continue_final_message`` it ends inside the final message, right after its text, found as
+        transformers' ``apply_chat_template`` finds it (a marker after the text of its content, or
+        of the last text part of a list content; the spacing the template trims, trimmed)."""
+        if continue_final_message:
+            messages = [*messages[:-1], self._marked(messages[-1], len(messages) - 1)]
+        text = self.render(messages, tools=tools, add_generation_prompt=False, chat_template_kwargs=chat_template_kwargs)
+        self._check_expressed(text, messages, range(len(messages)), tools, chat_template_kwargs, add_generation_prompt=False)
+        if not continue_final_message:
+            return text
+        final = self._final_text(messages[-1])[: -len(_CONTINUE_TAG)]
+        if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
+            raise UnsupportedConversation(
+                "continue_final_message is set but the final message does not appear in the chat after applying the "
+                "chat template! This can happen if the chat template deletes portions of the final message. Please "
+                "verify the chat template and final message in your chat to ensure they are compatible.",
+                len(messages) - 1)
+        at = text.rindex(_CONTINUE_TAG.strip())
+        return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+    def _marked(self, message: dict[str, Any], index: int) -> dict[str, Any]:
+        content = message.get("content")
+        if content is None:
+            raise UnsupportedConversation('continue_final_message is set but the final message has no "content" to '
+                                          "continue!", index)
+        if "content" not in self.source:
+            raise UnsupportedConversation('continue_final_message is set to "content" but this is not an accepted '
+                                          "field in the chat_template", index)
+        if isinstance(content, (list, tuple)):
+            parts = [dict(p) if isinstance(p, dict) else p for p in content]
+            for part in reversed(parts):
+                if isinstance(part, dict) and "text" in part:
+                    part["text"] = part["text"] + _CONTINUE_TAG
+                    return {**message, "content": parts}
+            raise UnsupportedConversation("continue_final_message is set but we could not find any text to continue "
+                                          "in the final message!", index)
+        return {**message, "content": content + _CONTINUE_TAG}
+
+    @staticmethod
+    def _final_text(message: dict[str, Any]) -> str:
+        content = message["content"]
+        if isinstance(content, (list, tuple)):
+            return next(p["text"] for p in reversed(content) if isinstance(p, dict) and "text" in p)
+        return content
 
     def prompt_ids(
         self, messages: list[dict[str, Any]], *, tools: list[dict] | None, chat_template_kwargs: dict | None

@@ -75,6 +75,29 @@ def render_context(tools: list[dict] | None, chat_template_kwargs: dict | None) 
     return {"tools": _normalize_tools(tools), "chat_template_kwargs": dict(chat_template_kwargs or {})}
 
 
+def build_open_prompt(
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    template: ChatTemplate,
+    continue_final_message: bool,
+) -> PromptPlan:
+    """Prompt ids of a stateless call rendered without the generation prompt, or continuing its final
+    message (vLLM's ``add_generation_prompt: false`` / ``continue_final_message``). Never a rollout's
+    next call: such a prompt is not a history the rollout's later calls extend."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    canon = [canonical_message(m) for m in messages]
+    ctx = render_context(tools, chat_template_kwargs)
+    text = template.render_open_prompt(_LazyRendered(messages)[:], tools=ctx["tools"],
+                                       chat_template_kwargs=ctx["chat_template_kwargs"],
+                                       continue_final_message=continue_final_message)
+    ids = template.encode(text)
+    return PromptPlan(prompt_ids=ids, segment_index=0, new_segment=True, monotonic=True, added_prompt_ids=ids,
+                      messages=canon, new_messages=canon, render_context=ctx, prompt_text=text)
+
+
 def build_prompt(
     state: RolloutState | None,
     messages: list[dict[str, Any]],

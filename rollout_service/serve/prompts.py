@@ -24,6 +24,7 @@ from rollout_service.onpolicy.echo import checked_echo
 from rollout_service.onpolicy.errors import InvalidEcho, InvalidPrefix, PrefixNotContinuable
 from rollout_service.onpolicy.prefix import checked_prefix, plan_on_prefix
 from rollout_service.onpolicy.tokens import plan_on_tokens
+from rollout_service.onpolicy.turn import build_open_prompt
 from rollout_service.onpolicy.types import RolloutState
 from rollout_service.serve.errors import http_error
 from rollout_service.serve.protocol.envelope import ServiceError, bad_request
@@ -50,6 +51,15 @@ class PromptPlans:
         try:
             return checked_prefix(value, self.vocab_size)
         except InvalidPrefix as exc:
+            raise http_error(exc) from None
+
+    def _open_plan(self, messages, req: TurnRequest):
+        """A stateless prompt without the generation prompt, or continuing its final message."""
+        try:
+            checked_echo(messages, self.vocab_size)  # echoed ids are not used here, but malformed ones are a client bug
+            return build_open_prompt(messages, tools=req.tools, chat_template_kwargs=self._template_kwargs(req),
+                                     template=self.template, continue_final_message=req.continue_final_message)
+        except _CLIENT_ERRORS as exc:
             raise http_error(exc) from None
 
     def _plan(self, state, messages, req: TurnRequest, prefix: list[int] | None = None):

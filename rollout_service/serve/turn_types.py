@@ -68,6 +68,10 @@ class TurnRequest:
     # vLLM's prompt truncation (serve/truncation.py): stateless calls only, not in the digest.
     truncate_prompt_tokens: int | None = None
     truncation_side: str | None = None
+    # vLLM's add_generation_prompt: false / continue_final_message (chat, stateless calls only): the
+    # prompt ends after the last message, or inside it. Not in the digest.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     parallel_tool_calls: bool | None = None
     # Answer from the store if this exact call is already stored, whatever service.retry_policy says
     # (a forwarded turn run where it arrived: its owner may have stored it). Not part of the digest.

@@ -280,10 +280,16 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups, PromptPlans, Engi
         sampling = self._sampling(req.sampling, req.top_logprobs, structured)
         tokens_in = req.prompt_token_ids is not None
         prefix = self._required_prefix(req.required_prefix_token_ids)
-        if rollout_id is None and prefix is None and not tokens_in:
+        open_prompt = not req.add_generation_prompt  # stateless only (the dialect refuses it under a rollout id)
+        if rollout_id is None and prefix is None and not tokens_in and not open_prompt:
             state, messages = self._echo_state(req)
         try:
-            plan = self._token_plan(state, req) if tokens_in else self._plan(state, messages, req, prefix)
+            if tokens_in:
+                plan = self._token_plan(state, req)
+            elif open_prompt:
+                plan = self._open_plan(messages, req)
+            else:
+                plan = self._plan(state, messages, req, prefix)
         except ServiceError as exc:
             if exc.code == "non_monotonic_history":  # history_policy reject refused an edited history
                 get_metrics().turn("reject")

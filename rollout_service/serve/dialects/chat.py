@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
 from openai.types.chat import chat_completion as cc
 from openai.types.chat import chat_completion_chunk as ch
@@ -37,6 +37,7 @@ from rollout_service.serve.turn_types import TokenDelta, TurnRequest, TurnResult
 
 
 class RolloutMessage(ChatCompletionMessage):
+    role: Literal["assistant", "user", "system", "developer", "tool"] = "assistant"  # vLLM's rule: _role
     reasoning: str | None = None  # vLLM 0.32's name
     reasoning_content: str | None = None  # the earlier name, kept for clients that read it
     prompt_token_ids: list[int]
@@ -92,6 +93,13 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
         raise ServiceError(400, "truncate_prompt_tokens is not supported under a rollout id: a truncated prompt is not "
                            "the rollout's history (send the call without a rollout id to truncate)",
                            param="truncate_prompt_tokens", code="unsupported_parameter")
+    for name, live in (("continue_final_message", req.continue_final_message),
+                       ("add_generation_prompt", not req.add_generation_prompt), ("echo", req.echo)):
+        if live and (headers.rollout_id is not None or req.required_prefix_token_ids is not None):
+            raise ServiceError(400, f"{name} is not supported under a rollout id or a required prefix: a prompt "
+                               "without the generation prompt, or an answer that repeats the history, is not a history "
+                               "the rollout's next call extends (send the call without them to use it)",
+                               param=name, code="unsupported_parameter")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = tool_choice_of(req.tool_choice, tools)
     return TurnRequest(
@@ -99,7 +107,7 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
         tools=allowed_tools(tools, choice),
         tool_choice=choice,
         chat_template_kwargs=template_kwargs(req.chat_template_kwargs, req.reasoning_effort),
-        sampling=req.sampling_kwargs(),
+        sampling=_sampling(req),
         max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         stream=req.stream,
@@ -116,7 +124,31 @@ def turn_request(req: ChatCompletionRequest, headers: RolloutHeaders) -> TurnReq
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         truncation_side=req.truncation_side,
         parallel_tool_calls=req.parallel_tool_calls,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
     )
+
+
+def _sampling(req: ChatCompletionRequest) -> dict[str, Any]:
+    sampling = req.sampling_kwargs()
+    if req.echo and req.prompt_logprobs is None:  # vLLM's: an echo returns the prompt's logprobs too
+        sampling["prompt_logprobs"] = req.top_logprobs or 0
+    return sampling
+
+
+def _role(req: ChatCompletionRequest) -> str:
+    """The answer's role as vLLM names it: the assistant's, or without the generation prompt the last message's."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """``echo``: the last message's text, when its role is the answer's (vLLM's rule), else ""."""
+    if not req.echo or req.messages[-1].role != _role(req):
+        return ""
+    content = req.messages[-1].to_plain().get("content") or ""
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content if isinstance(part, dict) and "text" in part)
+    return content
 
 
 def _logprobs(ids, lps, tops, strs, as_ids: bool, k: int, model=cc.ChoiceLogprobs):
@@ -134,8 +166,11 @@ def response(result: TurnResult, req: ChatCompletionRequest, model: str) -> Roll
     # per-token metadata that would show it (logprobs, token_ids); our exact-id fields stay.
     hidden = _reasoning_hidden(req)
     reasoning = None if hidden else msg.get("reasoning_content") or None
+    content = msg.get("content") or ("" if forced else None)
+    if req.echo:  # vLLM's: the echoed text first, "" at least
+        content = _echoed(req) + (content or "")
     message = RolloutMessage(
-        role="assistant", content=msg.get("content") or ("" if forced else None), reasoning=reasoning,
+        role=_role(req), content=content, reasoning=reasoning,
         reasoning_content=reasoning, tool_calls=msg.get("tool_calls") or None, refusal=None, annotations=None,
         audio=None, function_call=None,
         prompt_token_ids=result.prompt_token_ids, generation_token_ids=result.generation_token_ids,
@@ -188,9 +223,11 @@ async def stream(first, events: AsyncIterator, req: ChatCompletionRequest, model
         return delta, lp, ({"token_ids": event.token_ids} if ids_shown else {})
 
     running = RunningUsage(first) if continuous_usage(req) else None
-    yield chunk({"role": "assistant", "content": ""},
+    yield chunk({"role": _role(req), "content": ""},
                 prompt=getattr(first, "prompt_token_ids", None) if req.return_token_ids else None,
                 usage=running.usage(chat=True) if running else None)
+    if echoed := _echoed(req):  # vLLM's: the echoed text in a chunk of its own, before the generation's
+        yield chunk({"content": echoed}, usage=running.usage(chat=True) if running else None)
     pending: TokenDelta | None = None  # held one event: the last step's text goes out with the finish reason
     event = first
     try:

@@ -183,9 +183,20 @@ class ChatCompletionRequest(GenerationFields):
     reasoning_effort: ReasoningEffort | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    # vLLM's prompt forms (stateless calls only: serve/dialects/chat.turn_request refuses them under a rollout id)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    echo: StrictBool = False
 
     @model_validator(mode="after")
     def _checks(self):
+        if self.continue_final_message and self.add_generation_prompt:  # vLLM's and transformers' words
+            if "add_generation_prompt" in self.model_fields_set:
+                raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+            raise bad_request("continue_final_message and add_generation_prompt are not compatible. Use "
+                              "continue_final_message when you want the model to continue the final message, and "
+                              "add_generation_prompt when you want to add a header that will prompt it to start a new "
+                              "assistant message instead.")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         if self.logprob_token_ids and not self.logprobs:  # vLLM's rule and words

@@ -66,11 +66,8 @@ _COMMON_UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
 CHAT_UNHONOURED = {
     **_COMMON_UNHONOURED,
     "chat_template": _rule(_PROMPT),
-    "add_generation_prompt": _rule(_PROMPT, True),
-    "continue_final_message": _rule(_PROMPT, False),
     "add_special_tokens": _rule(_PROMPT, False),
     "documents": _rule(_PROMPT, []),
-    "echo": _rule(_OUTPUT, False),
     "functions": _rule("use tools (the legacy functions field is not read)", []),
     "function_call": _rule("use tool_choice (the legacy function_call field is not read)"),
     "audio": _rule("only text is served"),
