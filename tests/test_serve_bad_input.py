@@ -466,8 +466,14 @@ ROWS = _rows() + [
     *[p(Bad("responses", {"include": ["message.output_text.logprobs"], "top_logprobs": v}, param="top_logprobs"),
         id=f"responses-top-logprobs-{label}") for label, v in (("over-max", 21), ("negative", -1), ("string", "2"))],
     *[p(Bad("tokenize", {name: value}, param=name, code="unsupported_parameter"), id=f"tokenize-unhonoured-{name}")
-      for name, value in (("add_generation_prompt", False), ("add_special_tokens", True),
-                          ("chat_template", "{{ messages }}"), ("continue_final_message", True))],
+      for name, value in (("chat_template", "{{ messages }}"),)],
+    # vLLM's forms: served without a rollout id (tests/test_serve_vs_vllm.py), refused under one
+    *[p(Bad("tokenize", fields, param=param, code="unsupported_parameter"), id=f"tokenize-{param}-under-a-rollout")
+      for fields, param in (({"add_generation_prompt": False}, "add_generation_prompt"),
+                            ({"add_special_tokens": True}, "add_special_tokens"),
+                            ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"))],
+    p(Bad("tokenize", {"continue_final_message": True}, headers={"X-Rollout-Id": None}),
+      id="tokenize-continue-final-message-with-the-default-generation-prompt"),
     *[p(Bad("chat", {"reasoning_effort": v}, param="reasoning_effort"), id=f"chat-reasoning-effort-{label}")
       for label, v in (("unknown", "extreme"), ("int", 1))],
     p(Bad("responses", {"reasoning": {"effort": "extreme"}}, param="reasoning.effort"), id="responses-reasoning-effort-unknown"),

@@ -29,7 +29,8 @@ PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Say hello to the world."}]
 CONTINUED = MESSAGES + [{"role": "assistant", "content": "Hello, wor"}]
 # Refused under a rollout id (400 unsupported_parameter naming the first of these the case sends).
-STATELESS_ONLY = ("truncate_prompt_tokens", "continue_final_message", "add_generation_prompt", "echo")
+STATELESS_ONLY = ("truncate_prompt_tokens", "continue_final_message", "add_generation_prompt", "echo",
+                  "add_special_tokens")
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 STRICT_TOOL = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
 
@@ -47,7 +48,7 @@ def _probe_stop(text_per_token: list[str]) -> str:
 def table(completion_stop: str, chat_stop: str) -> list[Case]:
     cmpl = {"prompt": PROMPT, "max_tokens": 8, "seed": 11, "temperature": 1.0}
     chat = {"messages": MESSAGES, "max_tokens": 8, "seed": 12, "temperature": 1.0, **NO_THINK}
-    C, H, T = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"
+    C, H, T, K = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/tokenize"
     cases = [
         Case("completion", C, cmpl),
         Case("completion_return_token_ids", C, {**cmpl, "return_token_ids": True}),
@@ -122,6 +123,15 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
                                                         "continue_final_message": True}),
         Case("chat_continue_default_generation_prompt", H, {**chat, "messages": CONTINUED,
                                                             "continue_final_message": True}),
+        Case("tokenize_chat", K, {"messages": MESSAGES, "return_token_strs": True}),
+        Case("tokenize_chat_no_generation_prompt", K, {"messages": MESSAGES, "add_generation_prompt": False},
+             expect="stateless_only"),
+        Case("tokenize_chat_continue_final", K, {"messages": CONTINUED, "add_generation_prompt": False,
+                                                 "continue_final_message": True}, expect="stateless_only"),
+        Case("tokenize_chat_special_tokens", K, {"messages": MESSAGES, "add_special_tokens": True},
+             expect="stateless_only"),
+        Case("tokenize_chat_continue_and_generation_prompt", K, {"messages": CONTINUED, "continue_final_message": True,
+                                                                 "add_generation_prompt": True}),
         Case("chat_structured_choice", H, {**chat, "structured_outputs": {"choice": ["yes", "no"]}, "logprobs": True}),
         Case("chat_structured_json", H, {**chat, "max_tokens": 24, "structured_outputs": {"json": {
             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}),

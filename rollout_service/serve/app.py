@@ -323,9 +323,11 @@ class RolloutService(ForwardingReplica):
     @fastapi_app.post("/tokenize", responses=errors_doc(400, 401, 404, 409, 413, 503), dependencies=KEYED)
     async def tokenize(self, body: TokenizeRequest, headers: RolloutHeaders = Depends(rollout_headers)):
         self._check_model(body.model)
-        body.refuse_unhonoured()
         rid = headers.with_body_rollout_id(body.metadata).rollout_id
+        body.refuse_unhonoured(rid)
         kwargs = {"rollout_id": rid, "prompt": body.prompt,
+                  "add_generation_prompt": body.add_generation_prompt,
+                  "continue_final_message": body.continue_final_message,
                   "messages": [m.to_plain() for m in body.messages] if body.messages is not None else None,
                   "tools": [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
                   "chat_template_kwargs": body.chat_template_kwargs, "add_special_tokens": body.add_special_tokens,

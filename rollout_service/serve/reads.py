@@ -27,8 +27,11 @@ _STORE_OPS = {"load": "read", "delete": "delete"}  # RolloutStore method -> metr
 class RolloutReads:
     async def tokenize(self, *, rollout_id: str | None, prompt: str | None, messages: list[dict] | None,
                        tools: list[dict] | None, chat_template_kwargs: dict | None, add_special_tokens: bool,
-                       return_token_strs: bool, required_prefix_token_ids: Any = None) -> dict[str, Any]:
-        """The prompt ids the next call of this rollout would use (nothing generated or stored)."""
+                       return_token_strs: bool, required_prefix_token_ids: Any = None,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False) -> dict[str, Any]:
+        """The prompt ids the next call of this rollout would use (nothing generated or stored); without
+        a rollout id, also vLLM's other forms (no generation prompt, a continued final message, the
+        tokenizer's special tokens around the template's ids)."""
         if prompt is not None:
             if self._required_prefix(required_prefix_token_ids):  # malformed: its own 400, never ignored
                 raise bad_request("required_prefix_token_ids applies to the messages form of /tokenize (a prompt is "
@@ -36,19 +39,32 @@ class RolloutReads:
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             req = TurnRequest(messages=messages or [], tools=tools, chat_template_kwargs=chat_template_kwargs,
-                              rollout_id=optional_rollout_id(rollout_id), required_prefix_token_ids=required_prefix_token_ids)
+                              rollout_id=optional_rollout_id(rollout_id), required_prefix_token_ids=required_prefix_token_ids,
+                              add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
             prefix = self._required_prefix(req.required_prefix_token_ids)
-            if req.rollout_id is None and prefix is None:
+            if not add_generation_prompt:  # stateless only (the request model refuses it otherwise)
+                ids = self._open_plan(req.messages, req).prompt_ids
+            elif req.rollout_id is None and prefix is None:
                 state, msgs = self._echo_state(req)
             elif req.rollout_id is None:
                 state, msgs = None, req.messages
             else:
                 state, msgs = await self._load(req.rollout_id), req.messages
-            ids = self._plan(state, msgs, req, prefix).prompt_ids
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
-        if return_token_strs:
-            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-        return out
+            if add_generation_prompt:
+                ids = self._plan(state, msgs, req, prefix).prompt_ids
+            if add_special_tokens:  # stateless only: what the tokenizer adds around a text, around the template's ids
+                head, tail = self._special_tokens_around()
+                ids = head + ids + tail
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if return_token_strs else None}
+
+    def _special_tokens_around(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer adds before and after a text's own with ``add_special_tokens`` (a BOS,
+        say; none for Qwen's)."""
+        bare = self.tokenizer.encode("a", add_special_tokens=False)
+        full = self.tokenizer.encode("a", add_special_tokens=True)
+        at = next(i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare)
+        return full[:at], full[at + len(bare):]
 
     async def get_rollout(self, rollout_id: str) -> dict[str, Any]:
         return trajectory_export(await self._stored(rollout_id, self.store.load))

@@ -163,6 +163,17 @@ class GenerationFields(SamplingFields):
         return kwargs
 
 
+def continue_without_generation_prompt(continue_final_message: bool, add_generation_prompt: bool, sent: bool) -> None:
+    """vLLM's rule, in its and transformers' words: a continued final message gets no generation prompt."""
+    if continue_final_message and add_generation_prompt:
+        if sent:
+            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        raise bad_request("continue_final_message and add_generation_prompt are not compatible. Use "
+                          "continue_final_message when you want the model to continue the final message, and "
+                          "add_generation_prompt when you want to add a header that will prompt it to start a new "
+                          "assistant message instead.")
+
+
 # ----------------------------------------------------------------------------- chat
 class ChatCompletionRequest(GenerationFields):
     model: str
@@ -190,13 +201,8 @@ class ChatCompletionRequest(GenerationFields):
 
     @model_validator(mode="after")
     def _checks(self):
-        if self.continue_final_message and self.add_generation_prompt:  # vLLM's and transformers' words
-            if "add_generation_prompt" in self.model_fields_set:
-                raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-            raise bad_request("continue_final_message and add_generation_prompt are not compatible. Use "
-                              "continue_final_message when you want the model to continue the final message, and "
-                              "add_generation_prompt when you want to add a header that will prompt it to start a new "
-                              "assistant message instead.")
+        continue_without_generation_prompt(self.continue_final_message, self.add_generation_prompt,
+                                           "add_generation_prompt" in self.model_fields_set)
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         if self.logprob_token_ids and not self.logprobs:  # vLLM's rule and words
@@ -300,8 +306,7 @@ class TokenizeRequest(Lenient):
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"},
                                                 "required_prefix_token_ids": _NOTHING}},
         {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1},
-                                                  "prompt": {"type": "null"}, "add_generation_prompt": {"const": True},
-                                                  "add_special_tokens": {"const": False}}},
+                                                  "prompt": {"type": "null"}}},
     ]})
 
     model: str | None = None
@@ -309,28 +314,36 @@ class TokenizeRequest(Lenient):
     messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False
     required_prefix_token_ids: RequiredPrefix = None
     metadata: dict[str, Any] | None = None
 
-    def refuse_unhonoured(self) -> None:
-        """The messages form gives the next call's prompt ids, which always end with the generation
-        prompt and never start with special tokens the template does not write: 400 otherwise."""
+    def refuse_unhonoured(self, rollout_id: str | None) -> None:
+        """Under a rollout id (or a required prefix) the messages form gives the next call's prompt ids,
+        which end with the generation prompt and hold only the special tokens the template writes: 400
+        otherwise. Without one, vLLM's forms are served as vLLM serves them."""
         refuse_unhonoured(self, TOKENIZE_UNHONOURED)
-        if self.messages is not None and not self.add_generation_prompt:
-            raise bad_request("add_generation_prompt: false is not supported: the ids are the next call's prompt, "
-                              "which ends with the generation prompt", param="add_generation_prompt",
-                              code="unsupported_parameter")
-        if self.messages is not None and self.add_special_tokens:
-            raise bad_request("add_special_tokens applies to the prompt form: the messages form gives the chat "
-                              "template's ids", param="add_special_tokens", code="unsupported_parameter")
+        if self.messages is None or (rollout_id is None and self.required_prefix_token_ids is None):
+            return
+        for name, live in (("continue_final_message", self.continue_final_message),
+                           ("add_generation_prompt", not self.add_generation_prompt),
+                           ("add_special_tokens", self.add_special_tokens)):
+            if live:
+                raise bad_request(f"{name} is not supported under a rollout id or a required prefix: the ids are the "
+                                  "next call's prompt, which ends with the generation prompt and holds only the "
+                                  "template's special tokens (send it without them to use it)", param=name,
+                                  code="unsupported_parameter")
 
     @model_validator(mode="after")
     def _one_of(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.messages is not None:
+            continue_without_generation_prompt(self.continue_final_message, self.add_generation_prompt,
+                                               "add_generation_prompt" in self.model_fields_set)
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty")
         return self

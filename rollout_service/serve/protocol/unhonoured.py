@@ -84,7 +84,6 @@ COMPLETION_UNHONOURED = {
 
 TOKENIZE_UNHONOURED = {
     "chat_template": _rule(_PROMPT),
-    "continue_final_message": _rule(_PROMPT, False),
     "documents": _rule(_PROMPT, []),
     "mm_processor_kwargs": _rule("only text is served", {}),
     "media_io_kwargs": _rule("only text is served", {}),
