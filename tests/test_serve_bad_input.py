@@ -66,6 +66,7 @@ ROUTES: dict[str, tuple[str, str, Callable[[Rollout], dict[str, Any]] | None]] =
     "responses": ("POST", "/v1/responses", lambda r: {"model": MODEL, "input": r.input(), "max_output_tokens": 2}),
     "completions": ("POST", "/v1/completions", lambda r: {"model": MODEL, "prompt": [9707, 11, 1879], "max_tokens": 2}),
     "tokenize": ("POST", "/tokenize", lambda r: {"model": MODEL, "messages": r.messages()}),
+    "detokenize": ("POST", "/detokenize", lambda r: {"model": MODEL, "tokens": [9707, 11]}),
 }
 
 
@@ -472,6 +473,11 @@ ROWS = _rows() + [
       for fields, param in (({"add_generation_prompt": False}, "add_generation_prompt"),
                             ({"add_special_tokens": True}, "add_special_tokens"),
                             ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"))],
+    *[p(Bad("detokenize", fields, param=param, status=status), id=f"detokenize-{label}")
+      for label, fields, param, status in (
+          ("negative-id", {"tokens": [9707, -1]}, "tokens[1]", 400), ("id-past-int64", {"tokens": [2**63]}, "tokens[0]", 400),
+          ("bool-id", {"tokens": [True]}, "tokens[0]", 400), ("not-a-list", {"tokens": "9707"}, "tokens", 400),
+          ("no-tokens", {"tokens": DROP}, "tokens", 400), ("unknown-model", {"model": "other"}, "model", 404))],
     p(Bad("tokenize", {"continue_final_message": True}, headers={"X-Rollout-Id": None}),
       id="tokenize-continue-final-message-with-the-default-generation-prompt"),
     *[p(Bad("chat", {"reasoning_effort": v}, param="reasoning_effort"), id=f"chat-reasoning-effort-{label}")
@@ -560,7 +566,7 @@ def test_a_client_mistake_is_a_4xx_envelope_and_changes_nothing(http, rollout, c
 def test_the_base_requests_are_valid(http, rollout):
     """The rows' shared bases succeed, so each row fails for its own mistake (fresh rollouts: the
     table's rollout stays as it was)."""
-    for route in ("chat", "responses", "completions", "tokenize"):
+    for route in ("chat", "responses", "completions", "tokenize", "detokenize"):
         case = Bad(route)
         r = _send(http, case, Rollout(f"base-{uuid.uuid4().hex[:8]}", *(getattr(rollout, k) for k in (
             "content", "prompt_ids", "gen_ids", "logprobs"))))

@@ -24,6 +24,12 @@ def test_health(http):
     assert head.status_code == 200 and head.content == b"", (head.status_code, head.content)
 
 
+def test_version_names_the_vllm_it_serves_with(http):
+    from vllm import __version__
+
+    assert http.get("/version").json() == {"version": __version__}  # vLLM's route and answer
+
+
 def test_tokenize_returns_the_ids_the_next_call_will_use(http):
     """NeMo Gym captures ids through /tokenize: it must see the on-policy prompt, not a re-render."""
     rid = f"tok-{uuid.uuid4().hex[:8]}"

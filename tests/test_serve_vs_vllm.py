@@ -132,6 +132,9 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
              expect="stateless_only"),
         Case("tokenize_chat_continue_and_generation_prompt", K, {"messages": CONTINUED, "continue_final_message": True,
                                                                  "add_generation_prompt": True}),
+        Case("detokenize", "/detokenize", {"tokens": [785, 6722, 315, 9625, 374]}),
+        Case("detokenize_special_tokens", "/detokenize", {"tokens": [151644, 872, 198, 9707, 151645]}),
+        Case("detokenize_out_of_vocabulary", "/detokenize", {"tokens": [785, 10**7]}),
         Case("chat_structured_choice", H, {**chat, "structured_outputs": {"choice": ["yes", "no"]}, "logprobs": True}),
         Case("chat_structured_json", H, {**chat, "max_tokens": 24, "structured_outputs": {"json": {
             "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}),

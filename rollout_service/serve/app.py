@@ -47,6 +47,7 @@ from rollout_service.serve.protocol.openai import (
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -334,6 +335,18 @@ class RolloutService(ForwardingReplica):
                   "return_token_strs": body.return_token_strs,
                   "required_prefix_token_ids": body.required_prefix_token_ids}
         return JSONResponse(await self._read("tokenize", kwargs))
+
+    @fastapi_app.post("/detokenize", responses=errors_doc(400, 401, 404, 503), dependencies=KEYED)
+    async def detokenize(self, body: DetokenizeRequest):
+        self._check_model(body.model)
+        return JSONResponse(await self._read("detokenize", {"tokens": body.tokens}))
+
+    @fastapi_app.get("/version")
+    async def version(self):
+        """vLLM's: the version of the vLLM this service serves with."""
+        from vllm import __version__
+
+        return JSONResponse({"version": __version__})
 
     @fastapi_app.get("/v1/rollouts", responses=errors_doc(400, 401, 404, 503), dependencies=KEYED)
     async def list_rollouts(self, limit: int = 100, cursor: str | None = None, group: str | None = None):

@@ -1,5 +1,6 @@
-"""The reads of the data plane: a rollout's trajectory, its page, the store's count, a delete, and
-``/tokenize`` (the prompt ids a rollout's next call would use). Nothing is generated or stored.
+"""The reads of the data plane: a rollout's trajectory, its page, the store's count, a delete,
+``/tokenize`` (the prompt ids a rollout's next call would use) and ``/detokenize``. Nothing is
+generated or stored.
 
 A mixin of :class:`~rollout_service.serve.turns.TurnRunner`, whose store, tokenizer, template and
 prompt planning it uses.
@@ -57,6 +58,11 @@ class RolloutReads:
                 ids = head + ids + tail
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                 "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if return_token_strs else None}
+
+    async def detokenize(self, *, tokens: list[int]) -> dict[str, Any]:
+        """vLLM's ``/detokenize``: the tokenizer's text of ``tokens`` (special tokens kept; an id the
+        tokenizer does not know adds nothing, as in vLLM's server)."""
+        return {"prompt": self.tokenizer.decode(tokens)}
 
     def _special_tokens_around(self) -> tuple[list[int], list[int]]:
         """The ids the tokenizer adds before and after a text's own with ``add_special_tokens`` (a BOS,

@@ -349,6 +349,13 @@ class TokenizeRequest(Lenient):
         return self
 
 
+class DetokenizeRequest(Lenient):
+    """vLLM's ``POST /detokenize``: ids to text, as the tokenizer decodes them (special tokens kept)."""
+
+    model: str | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]]
+
+
 class AbortRequest(BaseModel):
     """``POST /v1/rollouts/{id}/abort``'s optional body."""
 
