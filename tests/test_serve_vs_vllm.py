@@ -5,7 +5,10 @@ service's reasoning and tool parsers) and by the service, on the same seeds: the
 without a rollout id and with one (``n > 1`` under one opens a group of rollouts, answered the same).
 
 The two servers never generate at once: vLLM's answers first (then its server stops), then the
-service's."""
+service's. vLLM's answers are kept outside the clone, keyed on everything they depend on (vLLM and
+torch versions, the server's command line, the model's files, this table's sources): a run with the
+same key reads them instead of starting vLLM's server again (``ROLLOUT_SERVICE_CACHE=off``: always
+asks the server)."""
 
 from __future__ import annotations
 
@@ -191,9 +194,35 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
 CASE_NAMES = [c.name for c in table("x", "y")]
 
 
+def _reference_cache(server_cmd: list[str], port: int, model_dir: Path) -> Path | None:
+    """Where vLLM's answers to this table are kept between runs (like the client venvs, outside the
+    clone: ``$ROLLOUT_SERVICE_CACHE/vllm-reference/<key>.json``; ``ROLLOUT_SERVICE_CACHE=off``: never).
+    The key covers everything those answers are a function of: vLLM's and torch's versions, the
+    server's command line (its port aside), the model's files, and the sources of the table, of the
+    requests sent and of the server's start. Any change to one of them asks vLLM's server again."""
+    import hashlib
+
+    import torch
+    import vllm
+
+    root = os.environ.get("ROLLOUT_SERVICE_CACHE", str(Path.home() / ".cache" / "rollout-service"))
+    if root == "off":
+        return None
+    h = hashlib.sha256()
+    here, scripts = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "scripts"
+    cmd = [a.replace(str(model_dir), "<model>") for a in server_cmd[1:] if a != str(port)]
+    for part in (vllm.__version__, torch.__version__, json.dumps(cmd)):
+        h.update(part.encode() + b"\0")
+    for path in [Path(__file__), here / "vllm_conformance.py", scripts / "compare_tito_vllm.py",
+                 scripts / "bench_service_vs_vllm.py", *sorted(p for p in model_dir.rglob("*") if p.is_file())]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return Path(root).expanduser() / "vllm-reference" / f"{h.hexdigest()[:32]}.json"
+
+
 @pytest.fixture(scope="module")
 def vllm_side(service, tiny_model_dir, tiny_tokenizer):
-    """vLLM's answers to the table (and the stop strings probed from its greedy output)."""
+    """vLLM's answers to the table (and the stop strings probed from its greedy output), from vLLM's
+    own server, or from a run of it on the same inputs (``_reference_cache``)."""
     from bench_service_vs_vllm import SERVED_NAME, VLLMServer
     from compare_tito_vllm import requests, run_all
 
@@ -202,9 +231,10 @@ def vllm_side(service, tiny_model_dir, tiny_tokenizer):
         server = VLLMServer(cfg.engine, str(tiny_model_dir), Path(tmp) / "vllm.log")
         # --enable-scale-out: vLLM's token-in-token-out route too (the TITO test below shares this server)
         server.cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.chat.tool_parser, "--enable-scale-out"]
-        cache = os.environ.get("VLLM_CONTRACT_CACHE")  # development only: reuse vLLM's answers
-        if cache and Path(cache).exists():
-            data = json.loads(Path(cache).read_text())
+        cache = _reference_cache(server.cmd, server.port, Path(tiny_model_dir))
+        if cache is not None and cache.exists():
+            data = json.loads(cache.read_text())
+            print(f"vLLM's answers from {cache} (a run of its server on these exact inputs)")
             return ({c.name: c for c in table(*data["stops"])}, {k: Outcome(**v) for k, v in data["answers"].items()},
                     data["tito"])
         try:
@@ -221,9 +251,13 @@ def vllm_side(service, tiny_model_dir, tiny_tokenizer):
             tito = run_all(server.url, SERVED_NAME, requests(TITO_REQUESTS, TITO_MAX_TOKENS))
         finally:
             server.stop()
-        if cache:
-            Path(cache).write_text(json.dumps({"stops": stops, "answers": {k: vars(v) for k, v in answers.items()},
-                                               "tito": tito}))
+        # Kept only when vLLM answered every case as a server does (no 5xx), written whole or not at all.
+        if cache is not None and all(a.status < 500 for a in answers.values()):
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            part = cache.with_suffix(f".{os.getpid()}.part")
+            part.write_text(json.dumps({"stops": stops, "answers": {k: vars(v) for k, v in answers.items()},
+                                        "tito": tito}))
+            part.replace(cache)
     return cases, answers, tito
 
 
