@@ -476,6 +476,7 @@ ROWS = _rows() + [
     *[p(Bad("detokenize", fields, param=param, status=status), id=f"detokenize-{label}")
       for label, fields, param, status in (
           ("negative-id", {"tokens": [9707, -1]}, "tokens[1]", 400), ("id-past-int64", {"tokens": [2**63]}, "tokens[0]", 400),
+          ("id-past-the-tokenizers-range", {"tokens": [9707, 2**32]}, "tokens[1]", 400),
           ("bool-id", {"tokens": [True]}, "tokens[0]", 400), ("not-a-list", {"tokens": "9707"}, "tokens", 400),
           ("no-tokens", {"tokens": DROP}, "tokens", 400), ("unknown-model", {"model": "other"}, "model", 404))],
     p(Bad("tokenize", {"continue_final_message": True}, headers={"X-Rollout-Id": None}),

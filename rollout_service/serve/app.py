@@ -341,7 +341,7 @@ class RolloutService(ForwardingReplica):
         self._check_model(body.model)
         return JSONResponse(await self._read("detokenize", {"tokens": body.tokens}))
 
-    @fastapi_app.get("/version")
+    @fastapi_app.get("/version", responses=errors_doc(500))
     async def version(self):
         """vLLM's: the version of the vLLM this service serves with."""
         from vllm import __version__

@@ -61,7 +61,12 @@ class RolloutReads:
 
     async def detokenize(self, *, tokens: list[int]) -> dict[str, Any]:
         """vLLM's ``/detokenize``: the tokenizer's text of ``tokens`` (special tokens kept; an id the
-        tokenizer does not know adds nothing, as in vLLM's server)."""
+        tokenizer does not know adds nothing, as in vLLM's server; one past the tokenizer's 32-bit id
+        range, which its decoder cannot take, is a 400 naming it)."""
+        for i, t in enumerate(tokens):
+            if t > 2**32 - 1:
+                raise bad_request(f"tokens[{i}]: {t} is past the tokenizer's id range (at most 2**32 - 1)",
+                                  param=f"tokens[{i}]")
         return {"prompt": self.tokenizer.decode(tokens)}
 
     def _special_tokens_around(self) -> tuple[list[int], list[int]]:
