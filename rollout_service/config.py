@@ -328,7 +328,8 @@ class ServiceConfig(_Strict):
         None, ge=1,
         description="At most this many RolloutService replicas on one Ray node (Serve's max_replicas_per_node; None: "
         "Serve's best-effort spread). Set it to spread the replicas over nodes for certain, so a node's death takes "
-        "only its share of the rollouts' owners.")
+        "only its share of the rollouts' owners. The cap holds while a node is gone too: replicas the remaining "
+        "nodes cannot take wait until a node joins (their rollouts move to the running ones meanwhile).")
     history_policy: Literal["fork", "reject"] = Field(
         "fork", description="Edited history: fork a new trainable segment, or reject with 409."
     )

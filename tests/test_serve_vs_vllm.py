@@ -126,6 +126,13 @@ def table(completion_stop: str, chat_stop: str) -> list[Case]:
                                                         "continue_final_message": True}),
         Case("chat_continue_default_generation_prompt", H, {**chat, "messages": CONTINUED,
                                                             "continue_final_message": True}),
+        # a message's text parts: one per line in the prompt, as vLLM joins them
+        Case("chat_text_parts", H, {**chat, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Say hello"}, {"type": "text", "text": "to the world."}]}],
+            "return_token_ids": True}),
+        Case("chat_continue_final_text_parts_echo", H, {**chat, "messages": MESSAGES + [{"role": "assistant", "content": [
+            {"type": "text", "text": "Hello,"}, {"type": "text", "text": "wor"}]}], "add_generation_prompt": False,
+            "continue_final_message": True, "echo": True, "return_token_ids": True}, expect="stateless_only"),
         Case("tokenize_chat", K, {"messages": MESSAGES, "return_token_strs": True}),
         Case("tokenize_chat_no_generation_prompt", K, {"messages": MESSAGES, "add_generation_prompt": False},
              expect="stateless_only"),
@@ -197,13 +204,12 @@ CASE_NAMES = [c.name for c in table("x", "y")]
 def _reference_cache(server_cmd: list[str], port: int, model_dir: Path) -> Path | None:
     """Where vLLM's answers to this table are kept between runs (like the client venvs, outside the
     clone: ``$ROLLOUT_SERVICE_CACHE/vllm-reference/<key>.json``; ``ROLLOUT_SERVICE_CACHE=off``: never).
-    The key covers everything those answers are a function of: vLLM's and torch's versions, the
-    server's command line (its port aside), the model's files, and the sources of the table, of the
-    requests sent and of the server's start. Any change to one of them asks vLLM's server again."""
+    The key covers everything those answers are a function of: the versions of vLLM and of what it
+    renders, tokenizes and samples with, the environment its server inherits (``VLLM_*``, thread
+    counts), the server's command line (its port aside), the model's files, and the sources of the
+    table, of the requests sent and of the server's start. Any change to one of them asks vLLM's server again."""
     import hashlib
-
-    import torch
-    import vllm
+    from importlib.metadata import PackageNotFoundError, version
 
     root = os.environ.get("ROLLOUT_SERVICE_CACHE", str(Path.home() / ".cache" / "rollout-service"))
     if root == "off":
@@ -211,9 +217,21 @@ def _reference_cache(server_cmd: list[str], port: int, model_dir: Path) -> Path 
     h = hashlib.sha256()
     here, scripts = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "scripts"
     cmd = [a.replace(str(model_dir), "<model>") for a in server_cmd[1:] if a != str(port)]
-    for part in (vllm.__version__, torch.__version__, json.dumps(cmd)):
+    # What renders, tokenizes, samples and constrains on vLLM's side, and the environment its server inherits.
+    def installed(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "-"
+
+    import vllm
+
+    versions = [vllm.__version__] + [f"{d}={installed(d)}" for d in ("torch", "transformers", "tokenizers", "jinja2",
+                                                                      "xgrammar")]
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "MKL_", "TOKENIZERS_")))
+    for part in (json.dumps(versions), json.dumps(env), json.dumps(cmd)):
         h.update(part.encode() + b"\0")
-    for path in [Path(__file__), here / "vllm_conformance.py", scripts / "compare_tito_vllm.py",
+    for path in [Path(__file__), here / "vllm_conformance.py", here / "serve_helpers.py", scripts / "compare_tito_vllm.py",
                  scripts / "bench_service_vs_vllm.py", *sorted(p for p in model_dir.rglob("*") if p.is_file())]:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return Path(root).expanduser() / "vllm-reference" / f"{h.hexdigest()[:32]}.json"

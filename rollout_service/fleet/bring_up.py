@@ -31,6 +31,7 @@ class Slot:
     channel: Any = None  # the engine's data channel address (engine.channel.ChannelAddress), if it has one
     load: int = 0
     task: asyncio.Task | None = None  # the start / load running for this slot
+    starting: bool = False  # inside the engine's start: it answers no call before the start ends
     paused_since: float | None = None  # first probe that found it paused while no refit ran
 
 
@@ -57,7 +58,12 @@ class BringUp:
                                         **self._detached(engine_name(self._name, slot, generation),
                                                          namespace=FLEET_NAMESPACE))
             s.generation, s.actor = generation, actor
-            await asyncio.wait_for(actor.start.remote(), timeout)
+            s.starting = True
+            try:
+                await asyncio.wait_for(actor.start.remote(), timeout)
+            finally:
+                if s.generation == generation:  # a later start of this slot keeps its own mark
+                    s.starting = False
             s.processes = await asyncio.wait_for(actor.process_info.remote(), 60)
             if ec.data_channel == "tcp":
                 channel = await asyncio.wait_for(actor.open_channel.remote(), 60)

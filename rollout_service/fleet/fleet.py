@@ -201,11 +201,11 @@ class EngineFleet(CurrentWeights, Adoption, Monitor, BringUp, RefitBracket):
         if self._monitor is not None:
             self._monitor.cancel()
             self._monitor = None
-        bringing_up = set()
-        for i, s in enumerate(self.slots):  # no start, replacement or reload may bring an engine back into service now
+        # An engine inside its start answers no call before the start ends (a model load blocks it):
+        # it is killed at once, not asked to stop. Read before the cancels below end those starts.
+        starting = {i for i, s in enumerate(self.slots) if s.starting}
+        for s in self.slots:  # no start, replacement or reload may bring an engine back into service now
             if s.task is not None:
-                if not s.task.done():
-                    bringing_up.add(i)
                 s.task.cancel()
         if drain:
             await self._drain()
@@ -213,7 +213,7 @@ class EngineFleet(CurrentWeights, Adoption, Monitor, BringUp, RefitBracket):
         async def stop(i: int, s: Slot):
             if s.actor is None:
                 return
-            if i not in bringing_up:  # one still starting would answer only once its start ended: killed at once
+            if i not in starting:
                 try:
                     await asyncio.wait_for(s.actor.shutdown.remote(), timeout=20)
                 except Exception:

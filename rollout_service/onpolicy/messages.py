@@ -17,7 +17,8 @@ _REASONING_KEYS = ("reasoning_content", "reasoning")
 
 
 def message_text(content: Any) -> str:
-    """OpenAI content (str, None, or a list of parts) as plain text."""
+    """OpenAI content (str, None, or a list of parts) as plain text: the parts' texts one per line,
+    as vLLM renders them for a template that takes a message's content as a string."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -31,7 +32,7 @@ def message_text(content: Any) -> str:
                 parts.append(part.get("text") or "")
             else:
                 raise ValueError(f"unsupported content part: {part!r:.80}")
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins a message's text parts for the template
     raise ValueError(f"unsupported content type: {type(content).__name__}")
 
 
@@ -87,7 +88,7 @@ def canonical_message(msg: Any) -> dict[str, Any]:
 def render_message(msg: Any) -> dict[str, Any]:
     """The form handed to a chat template, as vLLM hands it.
 
-    Content parts are joined to a string and ``None`` becomes ``""`` (templates concatenate
+    Content parts are joined to a string (one per line, as vLLM joins them) and ``None`` becomes ``""`` (templates concatenate
     content), tool-call arguments are parsed to objects (templates apply ``tojson``), the
     ``reasoning`` alias becomes ``reasoning_content``, and the echo fields are dropped.
     """

@@ -336,7 +336,7 @@ class RolloutService(ForwardingReplica):
                   "required_prefix_token_ids": body.required_prefix_token_ids}
         return JSONResponse(await self._read("tokenize", kwargs))
 
-    @fastapi_app.post("/detokenize", responses=errors_doc(400, 401, 404, 503), dependencies=KEYED)
+    @fastapi_app.post("/detokenize", responses=errors_doc(400, 401, 404, 413, 503), dependencies=KEYED)
     async def detokenize(self, body: DetokenizeRequest):
         self._check_model(body.model)
         return JSONResponse(await self._read("detokenize", {"tokens": body.tokens}))

@@ -74,7 +74,10 @@ class RolloutReads:
         say; none for Qwen's)."""
         bare = self.tokenizer.encode("a", add_special_tokens=False)
         full = self.tokenizer.encode("a", add_special_tokens=True)
-        at = next(i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare)
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+        if at is None:  # a tokenizer that rewrites the text's own ids: no ids to put around the template's
+            raise ServiceError(400, "add_special_tokens is not supported with this model's tokenizer on the messages "
+                               "form", param="add_special_tokens", code="unsupported_parameter")
         return full[:at], full[at + len(bare):]
 
     async def get_rollout(self, rollout_id: str) -> dict[str, Any]:

@@ -102,7 +102,7 @@ def content_text(content: str | list[dict[str, Any]] | None) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p["text"] for p in content)
+    return "\n".join(p["text"] for p in content)  # as vLLM joins a message's text parts for the template
 
 
 class FunctionDef(Lenient):
