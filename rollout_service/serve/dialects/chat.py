@@ -145,10 +145,7 @@ def _echoed(req: ChatCompletionRequest) -> str:
     """``echo``: the last message's text, when its role is the answer's (vLLM's rule), else ""."""
     if not req.echo or req.messages[-1].role != _role(req):
         return ""
-    content = req.messages[-1].to_plain().get("content") or ""
-    if isinstance(content, list):
-        return "\n".join(part["text"] for part in content if isinstance(part, dict) and "text" in part)
-    return content
+    return req.messages[-1].to_plain()["content"]  # text parts joined one per line, as vLLM's conversation has it
 
 
 def _logprobs(ids, lps, tops, strs, as_ids: bool, k: int, model=cc.ChoiceLogprobs):

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, WithJsonSchema, field_validator, model_validator
 
+from rollout_service.onpolicy.messages import message_text
+
 # The fields we read are typed strictly: a JSON ``true`` is not the integer 1, ``"0.5"`` is not a
 # number, ``1.0`` is not a token id (pydantic's lax mode would coerce each of them silently).
 Number = Annotated[float, Strict()]  # a JSON number (an integer is one too), never a bool or a string
@@ -80,7 +82,7 @@ class ChatMessage(Lenient):
     def to_plain(self) -> dict[str, Any]:
         """A plain dict for the on-policy core: text content, developer -> system, OpenAI tool-call shape."""
         d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        d["content"] = content_text(self.content)
+        d["content"] = message_text(self.content)  # the on-policy core's join (text parts one per line, as vLLM)
         if self.name is not None:
             d["name"] = self.name
         if self.tool_calls:
@@ -97,12 +99,6 @@ class ChatMessage(Lenient):
         return d
 
 
-def content_text(content: str | list[dict[str, Any]] | None) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(p["text"] for p in content)  # as vLLM joins a message's text parts for the template
 
 
 class FunctionDef(Lenient):
