@@ -12,8 +12,16 @@ rollout of 120 calls growing to ~3,200 tokens (the shape of issue 11's measureme
 ``RedisRolloutStore`` alone (every load transfers and decodes the whole history) and behind
 ``CachedRolloutStore`` (a load is one O(1) check of the turn counter).
 
+``index``: what the recent-rollouts index (store/recent.py) costs a turn's acknowledgement, on one
+Redis and on a local Redis Cluster (3 primaries, a replica each), the modes alternated round by round:
+the index write awaited before the append answers (the code before 2026-11-28), written in the
+background to one set (the code until 2026-11-29, still the default on one Redis), in the
+background to the Cluster's hash-tagged shards (the Cluster default since), and no index. On the
+Cluster it also counts each primary's ZADD calls (INFO commandstats): where the index's writes land.
+
     .venv/bin/python scripts/bench_store.py                 # starts its own redis-server (AOF everysec)
     .venv/bin/python scripts/bench_store.py --section cache
+    .venv/bin/python scripts/bench_store.py --section index --index-rounds 3
     .venv/bin/python scripts/bench_store.py --url redis://127.0.0.1:6379/0 --rollouts 64 --turns 60
 """
 
@@ -35,8 +43,10 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from rollout_service.onpolicy.types import RolloutState, Segment, TurnDelta, TurnRecord
-from rollout_service.store import EmbeddedRedis, RedisRolloutStore, TurnConflict
+from rollout_service.store import EmbeddedRedis, RedisRolloutStore, StoreUnavailable, TurnConflict
 from rollout_service.store.cache import CachedRolloutStore
+from rollout_service.store.cluster_group import LocalRedisCluster
+from rollout_service.store.recent import CLUSTER_SHARDS
 from rollout_service.store.codec import IDS_DTYPE, LOGPROBS_DTYPE, MASK_DTYPE
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the suite's synthetic rollouts
 from synthetic_rollouts import synthetic_delta, synthetic_rollout  # noqa: E402
@@ -285,6 +295,105 @@ async def cache_section(args: argparse.Namespace, url: str) -> None:
     print(f"\ncache counters: {stats}")
 
 
+class _AwaitedIndex:
+    """The append as it was before 2026-11-28: the turn answers only once its index write is done."""
+
+    def __init__(self, store: RedisRolloutStore):
+        self.store = store
+
+    async def append_turn(self, rid, delta, expected_turn):
+        await self.store.append_turn(rid, delta, expected_turn=expected_turn)
+        await self.store.recent.settled()
+
+    async def close(self):
+        await self.store.close()
+
+
+INDEX_MODES = (("awaited, one set", 1, True), ("background, one set", 1, False),
+               (f"background, {CLUSTER_SHARDS} shards", CLUSTER_SHARDS, False), ("no index", 0, False))
+
+
+async def zadd_calls(ports: list[int]) -> dict[int, int]:
+    out = {}
+    for port in ports:
+        c = aioredis.Redis(host="127.0.0.1", port=port)
+        stats = await c.info("commandstats")
+        out[port] = int(stats.get("cmdstat_zadd", {}).get("calls", 0))
+        await c.aclose()
+    return out
+
+
+async def appends_retried(writer, store: RedisRolloutStore, deltas: list[TurnDelta], rollouts: int,
+                          concurrency: int) -> dict:
+    """As ``run_appends``, with a 503's retry as an agent does it (the turn read back: landed or not);
+    ``unavailable`` counts them. A turn's latency is its successful append's."""
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for i in range(rollouts):
+        queue.put_nowait(f"bench-{i}")
+    latencies: list[float] = []
+    unavailable = 0
+
+    async def worker() -> None:
+        nonlocal unavailable
+        while not queue.empty():
+            rid = queue.get_nowait()
+            for d in deltas:
+                while True:
+                    t0 = time.perf_counter()
+                    try:
+                        await writer.append_turn(rid, d, expected_turn=d.turn - 1)
+                        latencies.append(time.perf_counter() - t0)
+                        break
+                    except StoreUnavailable:
+                        unavailable += 1
+                        await asyncio.sleep(0.05)
+                        state = await store.load(rid)
+                        if state is not None and state.turn >= d.turn:
+                            break  # it had landed
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    lat = np.asarray(latencies) * 1000
+    return {"ops": len(latencies), "ops_s": len(latencies) / wall, "p50": float(np.percentile(lat, 50)),
+            "p99": float(np.percentile(lat, 99)), "unavailable": unavailable}
+
+
+async def index_section(args: argparse.Namespace, targets: dict[str, tuple[str, list[int]]]) -> None:
+    """Per-turn append latency and where the index's writes land, each mode alternated per round."""
+    gen = args.tokens * 9 // 10
+    deltas, _ = synthetic_rollout(random.Random(0), [args.turns], prompt_tokens=args.tokens - gen, gen_tokens=gen)
+    results: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(args.index_rounds):
+        modes = INDEX_MODES if rnd % 2 == 0 else INDEX_MODES[::-1]
+        for target, (url, primaries) in targets.items():
+            for name, shards, awaited in modes:
+                if shards == CLUSTER_SHARDS and not primaries:
+                    continue  # the shards are the Cluster's layout
+                print(f"round {rnd + 1}: {target}, {name} ...", file=sys.stderr, flush=True)
+                store = RedisRolloutStore.from_url(url, ttl_seconds=600, key_prefix=f"ix{uuid.uuid4().hex[:6]}",
+                                                   recent_size=10_000 if shards else 0, recent_shards=shards or None,
+                                                   max_connections=64)
+                before = await zadd_calls(primaries)
+                r = await appends_retried(_AwaitedIndex(store) if awaited else store, store, deltas, args.rollouts,
+                                          args.concurrency)
+                await store.recent.settled()
+                after = await zadd_calls(primaries)
+                r["zadd"] = sorted(after[p] - before[p] for p in primaries)
+                await store.close()
+                results.setdefault((target, name), []).append(r)
+    print(f"\nPer-turn append latency with the recent-rollouts index: {args.rollouts} rollouts x {args.turns} turns "
+          f"of {args.tokens} tokens, {args.concurrency} concurrent, medians of {args.index_rounds} rounds (modes "
+          f"alternated); {machine()}\n")
+    print("| Redis | index | p50 ms | p99 ms | turns/s | 503s (retried) | index ZADDs per primary (last round) |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for (target, name), rs in results.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("p50", "p99", "ops_s")}
+        spread = " / ".join(str(n) for n in rs[-1]["zadd"]) if rs[-1]["zadd"] else "—"
+        print(f"| {target} | {name} | {med['p50']:.2f} | {med['p99']:.2f} | {med['ops_s']:,.0f} "
+              f"| {sum(r['unavailable'] for r in rs)} | {spread} |")
+
+
 async def main_async(args: argparse.Namespace, url: str) -> None:
     if args.section in ("cache", "all"):
         await cache_section(args, url)
@@ -335,7 +444,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1000, help="tokens appended per turn (10%% prompt tail, 90%% generated)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--load-repeats", type=int, default=50)
-    p.add_argument("--section", choices=["appends", "cache", "all"], default="all")
+    p.add_argument("--section", choices=["appends", "cache", "index", "all"], default="all",
+                   help="all: appends and cache (index starts a Redis Cluster of its own: ask for it)")
+    p.add_argument("--index-rounds", type=int, default=3, help="index section: rounds, the modes alternated")
     p.add_argument("--cache-turns", type=int, default=120)
     p.add_argument("--cache-rollouts", type=int, default=20)
     p.add_argument("--first-prompt", type=int, default=300, help="cache section: tokens of the first prompt")
@@ -343,6 +454,12 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=16, help="cache section: generated tokens per call")
     args = p.parse_args()
     args.embedded = args.url is None
+    if args.section == "index":
+        with tempfile.TemporaryDirectory(prefix="bench-redis-") as d, EmbeddedRedis(Path(d) / "one") as server, \
+                LocalRedisCluster(Path(d) / "cluster", primaries=3, replicas=1) as cluster:
+            targets = {"one server": (args.url or server.url, []), "Cluster, 3 primaries": (cluster.url, cluster.primaries())}
+            asyncio.run(index_section(args, targets))
+        return
     if args.url:
         asyncio.run(main_async(args, args.url))
         return

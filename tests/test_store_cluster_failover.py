@@ -34,6 +34,83 @@ def _delta(rng, turn: int, seg_len: int):
                            prompt_tokens=16, gen_tokens=16)
 
 
+def test_a_new_clients_first_concurrent_appends_all_land_and_a_flushed_script_is_loaded_again(cluster):
+    """The scripts are loaded on every primary once, before a new client's first call, while the calls
+    beside it wait: with redis-py's own fallback (a SCRIPT LOAD inside each call that met NOSCRIPT), 16
+    concurrent first appends on a fresh Cluster client ended mostly in 503s (connections broken beside
+    the loads). A node that forgot them (SCRIPT FLUSH: as a restarted or promoted one) gets them again."""
+    from rollout_service.config import StoreConfig
+
+    async def run() -> list:
+        import redis.asyncio as aioredis
+
+        for port in cluster.primaries():  # as a fresh Cluster: no script known anywhere
+            node = aioredis.Redis(host="127.0.0.1", port=port)
+            await node.script_flush()
+            await node.aclose()
+        store = RedisRolloutStore.from_config(StoreConfig.model_validate(
+            {"redis_url": cluster.url, "key_prefix": "sl", "recent_rollouts": 0}))
+        errors = []
+
+        async def writer(i: int, turns: range) -> None:
+            for turn in turns:
+                try:
+                    await store.append_turn(f"sl-{i}", _delta(random.Random(i * 100 + turn), turn, (turn - 1) * 32),
+                                            expected_turn=turn - 1)
+                except Exception as exc:  # noqa: BLE001 - what the test is about
+                    errors.append(repr(exc)[:200])
+                    return
+
+        try:
+            await asyncio.gather(*(writer(i, range(1, 4)) for i in range(16)))
+            for port in cluster.primaries():
+                node = aioredis.Redis(host="127.0.0.1", port=port)
+                await node.script_flush()
+                await node.aclose()
+            await asyncio.gather(*(writer(i, range(4, 6)) for i in range(16)))
+            states = await asyncio.gather(*(store.load(f"sl-{i}") for i in range(16)))
+            errors += [f"sl-{i}: {s.turn if s else None} turns" for i, s in enumerate(states) if s is None or s.turn != 5]
+        finally:
+            await store.close()
+        return errors
+
+    assert asyncio.run(run()) == []
+
+
+def test_the_recent_index_is_spread_over_the_primaries_and_pages_as_one(cluster):
+    """store/recent.py on a Cluster: the index is CLUSTER_SHARDS hash-tagged sets on every primary (no
+    one node takes every append's index write), and a page over them is newest first, each id once."""
+    from rollout_service.config import StoreConfig
+    from rollout_service.store.recent import CLUSTER_SHARDS
+
+    async def run() -> tuple[set, list, list, int, int]:
+        store = RedisRolloutStore.from_config(StoreConfig.model_validate(
+            {"redis_url": cluster.url, "key_prefix": "ri", "recent_rollouts": 1000}))
+        try:
+            order = []
+            for i in range(40):
+                rid = f"ri-{i}"
+                await store.append_turn(rid, _delta(random.Random(i), 1, 0), expected_turn=0)
+                order.append(rid)
+                await asyncio.sleep(0.002)  # distinct millisecond scores: one order to expect
+            nodes = {store.client.get_node_from_key(key).name for key in store.recent.keys}
+            used = {store.recent.key_of(rid) for rid in order}
+            seen, cursor = [], None
+            while True:
+                rows, cursor, indexed = await store.list_recent(7, cursor)
+                seen += [r["id"] for r in rows]
+                if cursor is None:
+                    break
+            return nodes, seen, order[::-1], len(used), indexed
+        finally:
+            await store.close()
+
+    nodes, seen, newest_first, used, indexed = asyncio.run(run())
+    assert len(nodes) == 3  # every primary holds shards of the index
+    assert used > 3 and CLUSTER_SHARDS > 3
+    assert seen == newest_first and indexed == 40
+
+
 def test_a_primary_killed_under_load_costs_only_retryable_errors_and_every_rollout_goes_on(cluster):
     from rollout_service.config import StoreConfig
 

@@ -338,13 +338,16 @@ async def test_an_append_whose_answer_is_lost_is_retried_and_applied_once(tmp_pa
         server.stop()
 
 
-async def test_the_recent_index_pages_newest_first_without_repeats_and_stays_bounded(redis_server):
+@pytest.mark.parametrize("shards", [1, 4], ids=["one set", "4 shards as on a Cluster"])
+async def test_the_recent_index_pages_newest_first_without_repeats_and_stays_bounded(redis_server, shards):
     """store/recent.py: every append moves its rollout to the front; pages follow next_cursor without
-    repeating or skipping, also across equal timestamps; a deleted rollout leaves the index; the
-    index never holds more than store.recent_rollouts; summaries come from the append script."""
+    repeating or skipping, also across equal timestamps and across shards; a deleted rollout leaves the
+    index; each set never holds more than its share of store.recent_rollouts; summaries come from the
+    append script."""
     s = RedisRolloutStore.from_url(redis_server, ttl_seconds=1000, key_prefix=f"t{uuid.uuid4().hex[:8]}",
-                                   recent_size=12)
+                                   recent_size=12, recent_shards=shards)
     try:
+        assert len(s.recent.keys) == shards
         rids = [f"r{i:02d}" for i in range(15)]
         for i, rid in enumerate(rids):
             rng = random.Random(i)
@@ -358,31 +361,44 @@ async def test_the_recent_index_pages_newest_first_without_repeats_and_stays_bou
         await asyncio.sleep(0.01)  # scores are milliseconds: r05's new turn is later than r14's
         await commit_all(s, "r05", [synthetic_delta(random.Random(99), turn=3, segment_index=1, new_segment=True,
                                                     segment_len=0, prompt_tokens=5, gen_tokens=3)])
-        assert await s.client.zcard(s.recent.key) == 12  # trimmed to its size: r00..r02 fell out
+        newest_first = ["r05"] + [f"r{i:02d}" for i in range(14, -1, -1) if i != 5]
+        share = 12 // shards
+        kept = [rid for rid in newest_first  # each set keeps its own newest `share`
+                if [r for r in newest_first if s.recent.key_of(r) == s.recent.key_of(rid)].index(rid) < share]
+        if shards == 1:
+            assert kept == newest_first[:12]  # trimmed to its size: r00..r02 fell out
+        assert len({s.recent.key_of(r) for r in rids}) > 1 or shards == 1  # the ids really spread
+        for key in s.recent.keys:
+            assert await s.client.zcard(key) <= share
         seen, cursor = [], None
         while True:
             rows, cursor, indexed = await s.list_recent(5, cursor)
             seen += rows
             if cursor is None:
                 break
-        assert indexed == 12
-        assert [r["id"] for r in seen] == ["r05"] + [f"r{i:02d}" for i in range(14, 2, -1) if i != 5]
+        assert indexed == len(kept)
+        assert [r["id"] for r in seen] == kept
         by_id = {r["id"]: r for r in seen}
         assert (by_id["r05"]["turns"], by_id["r05"]["segments"], by_id["r05"]["forked"]) == (3, 2, True)
-        assert by_id["r07"]["weight_version"] == "v7" and by_id["r07"]["turns"] == 2
-        assert by_id["r03"]["constrained_calls"] == 2 and by_id["r04"]["migrations"] == 2
+        if "r07" in by_id:
+            assert by_id["r07"]["weight_version"] == "v7" and by_id["r07"]["turns"] == 2
+        if "r03" in by_id:
+            assert by_id["r03"]["constrained_calls"] == 2
+        if "r04" in by_id:
+            assert by_id["r04"]["migrations"] == 2
         # Equal timestamps: one score for every member; pages of 4 still give each id once.
-        await s.client.zadd(s.recent.key, {rid: 1000 for rid in rids[3:]})
+        for rid in kept:
+            await s.client.zadd(s.recent.key_of(rid), {rid: 1000})
         seen, cursor = [], None
         while True:
             rows, cursor, _ = await s.list_recent(4, cursor)
             seen += [r["id"] for r in rows]
             if cursor is None:
                 break
-        assert seen == sorted(rids[3:], reverse=True)
-        await s.delete("r09")
+        assert seen == sorted(kept, reverse=True)
+        await s.delete(kept[3])
         rows, _, indexed = await s.list_recent(100)
-        assert "r09" not in [r["id"] for r in rows] and indexed == 11
+        assert kept[3] not in [r["id"] for r in rows] and indexed == len(kept) - 1
         with pytest.raises(ValueError):
             await s.list_recent(5, "not-a-cursor")
     finally:

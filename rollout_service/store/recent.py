@@ -1,20 +1,28 @@
 """The recent-rollouts index: which rollouts were appended to last, newest first, a page at a time.
 
-One sorted set ``P:recent`` (member: rollout id, score: its last append in Unix ms), written after
-every append, off the append's acknowledgement (in the background, the appends of the moment
-coalesced into one write) and trimmed to the configured size in the same round trip, so it never
-grows and a page costs O(page size): a ``ZREVRANGEBYSCORE`` for the ids, then one ``HMGET`` of each rollout's
-``meta`` hash for the summary the append script keeps there (turns, segments, last weight version,
-constrained calls, migrations, last append). A rollout that expired or was deleted since is left
-out of the page and dropped from the index. The set has no hash tag: on a Redis Cluster it lives
-on one node, written with one command per turn. The index is for people and tools that browse; it
-is not part of a turn's acknowledgement (a failed index write is logged, the turn stands).
+Sorted sets (member: rollout id, score: its last append in Unix ms), written after every append,
+off the append's acknowledgement (in the background, the appends of the moment coalesced into one
+write) and trimmed in the same round trip, so they never grow and a page costs O(page size): a
+``ZREVRANGEBYSCORE`` for the ids, then one ``HMGET`` of each rollout's ``meta`` hash for the summary
+the append script keeps there (turns, segments, last weight version, constrained calls, migrations,
+last append). A rollout that expired or was deleted since is left out of the page and dropped from
+the index.
+
+On one Redis (or a Sentinel group) the index is one set, ``P:recent``, trimmed to the configured
+size. On a Redis Cluster it is ``CLUSTER_SHARDS`` sets ``P:recent:{i}`` (each hash-tagged to a slot
+of its own, so the shards spread over the primaries; a rollout's shard is a hash of its id), each
+trimmed to its share of the size: no node takes every append's index write, and a page merges the
+shards' heads in the one order a single set would give (score, then id, both descending). The index
+is for people and tools that browse; it is not part of a turn's acknowledgement (a failed index
+write is logged, the turn stands).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,8 +31,8 @@ from rollout_service.onpolicy.types import TurnDelta
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 1000
-NOTE_TIMEOUT_S = 0.5  # longest one background index write may take (then it is dropped, logged)
 MAX_ROUNDS = 8  # a page skips at most this many pages' worth of expired entries before it answers
+CLUSTER_SHARDS = 16  # the index's sets on a Redis Cluster
 
 
 class InvalidCursor(ValueError):
@@ -74,13 +82,22 @@ def parse_cursor(cursor: str | None) -> tuple[float, str] | None:
 
 
 class RecentIndex:
-    def __init__(self, client, key_prefix: str, size: int, meta_key: Callable[[str], str]):
+    def __init__(self, client, key_prefix: str, size: int, meta_key: Callable[[str], str], shards: int = 1):
+        if shards < 1:
+            raise ValueError(f"shards must be at least 1, got {shards}")
         self.client = client
-        self.key = f"{key_prefix}:recent"
+        self.keys = [f"{key_prefix}:recent"] if shards == 1 else [f"{key_prefix}:recent:{{{i}}}" for i in range(shards)]
         self.size = size
+        self.shard_size = -(-size // shards)  # each shard's share, rounded up
         self.meta_key = meta_key
         self._pending: dict[str, int] = {}  # noted, not written yet
         self._writer: asyncio.Task | None = None
+
+    def key_of(self, rollout_id: str) -> str:
+        """The set that indexes ``rollout_id``."""
+        if len(self.keys) == 1:
+            return self.keys[0]
+        return self.keys[zlib.crc32(rollout_id.encode()) % len(self.keys)]
 
     def note_soon(self, rollout_id: str, at_ms: int) -> None:
         """Index an append in the background (the turn is acknowledged without waiting for it)."""
@@ -97,14 +114,25 @@ class RecentIndex:
         if writer is not None and not writer.done() and writer.get_loop() is asyncio.get_running_loop():
             await asyncio.shield(writer)
 
+    def _by_key(self, rollout_ids) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for rid in rollout_ids:
+            out.setdefault(self.key_of(rid), []).append(rid)
+        return out
+
     async def _write_pending(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, {}
-            try:  # bounded on its own: a slow index must not pile up behind it
+            # Bounded by the client's own command deadline (store.timeout_s), never cancelled from
+            # outside: redis-py's Cluster client can hand a connection cancelled mid-pipeline to the
+            # next command (an append failing with "connection lost"). Notes that arrive meanwhile
+            # wait in _pending and go out in the next write.
+            try:
                 async with self.client.pipeline(transaction=False) as pipe:
-                    pipe.zadd(self.key, batch)
-                    pipe.zremrangebyrank(self.key, 0, -(self.size + 1))
-                    await asyncio.wait_for(pipe.execute(), NOTE_TIMEOUT_S)
+                    for key, rids in self._by_key(batch).items():
+                        pipe.zadd(key, {rid: batch[rid] for rid in rids})
+                        pipe.zremrangebyrank(key, 0, -(self.shard_size + 1))
+                    await pipe.execute()
             except Exception as exc:  # the turns are stored; only the browsing index misses them
                 log.warning("recent-rollouts index not updated for %d rollout(s): %s", len(batch), exc)
 
@@ -112,9 +140,18 @@ class RecentIndex:
         if self.size <= 0:
             return
         try:
-            await self.client.zrem(self.key, rollout_id)
+            await self.client.zrem(self.key_of(rollout_id), rollout_id)
         except Exception as exc:
             log.warning("recent-rollouts index: %s not removed: %s", rollout_id, exc)
+
+    async def count(self) -> int:
+        """How many rollouts the index holds now."""
+        if self.size <= 0:
+            return 0
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key in self.keys:
+                pipe.zcard(key)
+            return sum(int(n) for n in await pipe.execute())
 
     async def page(self, limit: int, cursor: str | None = None) -> tuple[list[RolloutSummary], str | None]:
         """Up to ``limit`` rollouts appended to before ``cursor`` (newest first), and the cursor of the
@@ -138,12 +175,21 @@ class RecentIndex:
         return out, next_cursor
 
     async def _after(self, after: tuple[float, str] | None, n: int) -> tuple[list[tuple[str, float]], bool]:
-        """The next ``n`` (id, score) after the cursor position, and whether the index ends there."""
+        """The next ``n`` (id, score) after the cursor position over every shard, and whether the
+        index ends there."""
+        heads = await asyncio.gather(*(self._after_in(key, after, n) for key in self.keys))
+        merged = heapq.merge(*(rows for rows, _ in heads), key=lambda r: (r[1], r[0]), reverse=True)
+        rows = [row for _, row in zip(range(n + 1), merged)]
+        return rows[:n], all(done for _, done in heads) and len(rows) <= n
+
+    async def _after_in(self, key: str, after: tuple[float, str] | None,
+                        n: int) -> tuple[list[tuple[str, float]], bool]:
+        """One set's next ``n`` (id, score) after the cursor position (newest first), and whether it ends there."""
         top = repr(after[0]) if after is not None else "+inf"
         rows: list[tuple[str, float]] = []
         offset, exhausted = 0, False
         while len(rows) < n and not exhausted:  # more than one round only past ties at the cursor
-            got = await self.client.zrevrangebyscore(self.key, top, "-inf", start=offset, num=n, withscores=True)
+            got = await self.client.zrevrangebyscore(key, top, "-inf", start=offset, num=n, withscores=True)
             offset += len(got)
             exhausted = len(got) < n
             for member, score in got:
@@ -167,7 +213,8 @@ class RecentIndex:
                                       int(text[4] or 0), int(text[5] or score)))
         if gone:
             try:
-                await self.client.zrem(self.key, *gone)
+                for key, rids in self._by_key(gone).items():
+                    await self.client.zrem(key, *rids)
             except Exception:
                 pass
         return out

@@ -5,6 +5,7 @@ into the store's."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -31,7 +32,7 @@ from rollout_service.store.base import (
 from rollout_service.store.codec import encode_delta
 from rollout_service.store.lua import (LUA_APPEND, LUA_DELETE, LUA_LOAD, LUA_LOAD_IF_CHANGED, LUA_MARK, LUA_TOUCH,
                                       SEGMENT_FIELDS, decode_snapshot)
-from rollout_service.store.recent import RecentIndex, summary_args
+from rollout_service.store.recent import CLUSTER_SHARDS, RecentIndex, summary_args
 from rollout_service.store.urls import client_deadlines, parse_redis_url, parse_sentinel_url
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,53 @@ def raised_by_a_dropped_connection(exc: BaseException) -> bool:
     return where.endswith(("redis/asyncio/connection.py", "asyncio/streams.py", "asyncio/selector_events.py"))
 
 
+class _Scripts:
+    """store/lua.py's scripts, run by their SHAs (``EVALSHA``), loaded on every primary (``SCRIPT LOAD``)
+    before the client's first call and again when a node answers that it does not know one (a
+    restarted server, a promoted replica). The load is one at a time, and the calls wait for it:
+    redis-py's own fallback, a ``SCRIPT LOAD`` inside each call that meets ``NOSCRIPT``, left the
+    connections of a new Cluster client broken for the calls beside it (16 concurrent first appends on
+    a fresh 3-primary Cluster: most of them a 503, "connection lost")."""
+
+    def __init__(self, client):
+        self.client = client
+        self.sources: dict[str, str] = {}  # sha -> source
+        self._loading = asyncio.Lock()
+        self.generation = 0  # loads done; 0: none yet
+
+    def add(self, source: str) -> "_Script":
+        script = _Script(self, self.client.register_script(source).sha)
+        self.sources[script.sha] = source
+        return script
+
+    async def load(self, seen: int) -> None:
+        """Load every script, unless they were loaded since the caller saw generation ``seen``."""
+        async with self._loading:
+            if self.generation != seen:
+                return
+            for source in self.sources.values():
+                await self.client.script_load(source)
+            self.generation += 1
+
+
+class _Script:
+    def __init__(self, scripts: _Scripts, sha: str):
+        self.scripts = scripts
+        self.sha = sha
+
+    async def __call__(self, keys: list[str], args: list[Any] = ()) -> Any:
+        seen = self.scripts.generation
+        if seen == 0:
+            await self.scripts.load(0)
+            seen = self.scripts.generation
+        client = self.scripts.client
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except rexc.NoScriptError:
+            await self.scripts.load(seen)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+
+
 class RedisRolloutStore:
     """``RolloutStore`` on redis-py asyncio (``Redis`` or ``RedisCluster`` — the code path is the same)."""
 
@@ -69,7 +117,10 @@ class RedisRolloutStore:
         min_replicas: int = 1,
         replication_timeout_s: float = 1.0,
         recent_size: int = 10_000,
+        recent_shards: int | None = None,
     ):
+        """``recent_shards``: the recent index's sets (store/recent.py); None: one, or ``CLUSTER_SHARDS``
+        on a Redis Cluster."""
         if not key_prefix or any(c in key_prefix for c in "{}*?[]\\ "):
             raise ValueError(f"key_prefix {key_prefix!r} must be non-empty, without braces, glob characters or spaces")
         if ttl_seconds <= 0:
@@ -87,13 +138,15 @@ class RedisRolloutStore:
         self.durability = durability
         self.min_replicas = min_replicas
         self.replication_timeout_s = replication_timeout_s
-        self._append = client.register_script(LUA_APPEND)
-        self._load = client.register_script(LUA_LOAD)
-        self._load_if_changed = client.register_script(LUA_LOAD_IF_CHANGED)
-        self._delete = client.register_script(LUA_DELETE)
-        self._touch = client.register_script(LUA_TOUCH)
-        self._mark = client.register_script(LUA_MARK)
-        self.recent = RecentIndex(client, key_prefix, recent_size, self.meta_key)
+        scripts = _Scripts(client)
+        self._append = scripts.add(LUA_APPEND)
+        self._load = scripts.add(LUA_LOAD)
+        self._load_if_changed = scripts.add(LUA_LOAD_IF_CHANGED)
+        self._delete = scripts.add(LUA_DELETE)
+        self._touch = scripts.add(LUA_TOUCH)
+        self._mark = scripts.add(LUA_MARK)
+        self.recent = RecentIndex(client, key_prefix, recent_size, self.meta_key,
+                                  shards=recent_shards or (CLUSTER_SHARDS if isinstance(client, aioredis.RedisCluster) else 1))
 
     @classmethod
     def from_url(
@@ -107,13 +160,15 @@ class RedisRolloutStore:
         min_replicas: int = 1,
         replication_timeout_s: float = 1.0,
         recent_size: int = 10_000,
+        recent_shards: int | None = None,
         **client_kwargs: Any,
     ) -> "RedisRolloutStore":
         """Build the client from a URL; ``cluster=None`` lets the URL decide (see ``parse_redis_url``).
         A Sentinel URL (:func:`parse_sentinel_url`) gives a client of the primary the sentinels name,
         found again after a failover (redis-py's Sentinel client)."""
         store_kwargs = {"durability": durability, "min_replicas": min_replicas,
-                        "replication_timeout_s": replication_timeout_s, "recent_size": recent_size}
+                        "replication_timeout_s": replication_timeout_s, "recent_size": recent_size,
+                        "recent_shards": recent_shards}
         client_kwargs["decode_responses"] = False  # packed arrays are binary
         sentinel = parse_sentinel_url(url)
         if sentinel is not None:
@@ -344,7 +399,7 @@ class RedisRolloutStore:
         page's cursor (None: last page), and how many rollouts the index holds."""
         async with self._translate():
             rows, next_cursor = await self.recent.page(limit, cursor)
-            indexed = int(await self.client.zcard(self.recent.key)) if self.recent.size > 0 else 0
+            indexed = await self.recent.count()
         return [r.to_dict() for r in rows], next_cursor, indexed
 
     async def count_rollouts(self) -> int:
