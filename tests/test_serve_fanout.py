@@ -57,6 +57,26 @@ def test_streams_merge_under_one_id_reindexed_with_one_usage_and_one_done():
     assert sorted(closed) == ["a", "b", "c"]
 
 
+def test_every_choices_first_chunk_comes_first_in_choice_order_as_vllm_sends_the_role_chunks():
+    """vLLM's streamed n > 1 chat answer starts with each choice's role chunk, in index order; the
+    merged stream does too, however the choices' frames arrive (here: choice 0's whole stream is ready
+    before choice 1's first frame)."""
+    closed: list = []
+    streams = [_chunks("a", ["role-a", "x", "y"], None, closed),
+               _chunks("b", ["role-b", "z"], None, closed, delay=0.05),
+               _chunks("c", ["role-c"], None, closed, delay=0.01)]
+    out = _read(merged_stream(streams, [0, 0, 0], include_usage=False))
+    chunks = [json.loads(f[6:]) for f in out[:-1]]
+    firsts = [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks[:3]]
+    assert firsts == [(0, "role-a"), (1, "role-b"), (2, "role-c")]
+    texts: dict = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+    assert texts == {0: "role-axy", 1: "role-bz", 2: "role-c"}
+    assert sorted(closed) == ["a", "b", "c"]
+
+
 def test_an_error_event_ends_the_merged_stream_and_every_choice():
     closed: list = []
 

@@ -63,8 +63,10 @@ def summed_usage(usages: list[dict[str, Any]], prompt_of: list[int]) -> dict[str
 async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int],
                         include_usage: bool) -> AsyncIterator[bytes]:
     """SSE frames of several one-choice streams as one stream: every chunk re-indexed to its choice
-    and under one id, interleaved as they come; their usage chunks and ``[DONE]`` replaced by one
-    summed usage chunk (if asked) and one ``[DONE]``. An error event of any choice ends the stream."""
+    and under one id; each choice's first chunk (a chat answer's role chunk) in choice order before
+    any other, as vLLM sends them, then the rest interleaved as they come; their usage chunks and
+    ``[DONE]`` replaced by one summed usage chunk (if asked) and one ``[DONE]``. An error event of any
+    choice ends the stream."""
     cid = None
     queue: asyncio.Queue = asyncio.Queue()
     usages: list[dict[str, Any] | None] = [None] * len(streams)
@@ -79,11 +81,34 @@ async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int
         finally:
             await queue.put((i, None))
 
+    async def arrivals() -> AsyncIterator[tuple[int, Any]]:
+        """(choice, frame) as they come, except that the choices' first data frames come first, in
+        choice order (every choice's first event is in before this stream starts: no wait)."""
+        first: dict[int, Any] = {}
+        held: list[tuple[int, Any]] = []
+        ended: set[int] = set()
+        while len(first) + len(ended - set(first)) < len(streams):
+            i, frame = await queue.get()
+            if frame is None:
+                ended.add(i)
+            if i in first or i in ended or isinstance(frame, Exception) or not frame.startswith(b"data: ") \
+                    or frame == DONE:
+                held.append((i, frame))
+            else:
+                first[i] = frame
+        for i in sorted(first):
+            yield i, first[i]
+        for item in held:
+            yield item
+        while True:
+            yield await queue.get()
+
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     open_streams = len(tasks)
+    incoming = arrivals()
     try:
         while open_streams:
-            i, frame = await queue.get()
+            i, frame = await incoming.__anext__()
             if frame is None:
                 open_streams -= 1
                 continue
@@ -114,6 +139,7 @@ async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int
             yield b"data: " + json.dumps(template, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
         yield DONE
     finally:
+        await incoming.aclose()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
