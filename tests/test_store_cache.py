@@ -57,8 +57,7 @@ async def redis_pair(redis_server):
     inner = RedisRolloutStore.from_url(redis_server, ttl_seconds=1000, key_prefix=prefix)
     other = RedisRolloutStore.from_url(redis_server, ttl_seconds=1000, key_prefix=prefix)
     cache = CachedRolloutStore(inner, max_rollouts=8)
-    for script in (inner._load, inner._load_if_changed, inner._append, inner._delete, inner._touch):
-        await inner.client.script_load(script.script)  # else a script's first call is 3 commands
+    await inner.load_scripts()  # else the first call also loads them
     yield cache, inner, other, Wire(inner)
     await cache.close()
     await other.close()

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 from redis import exceptions as rexc
@@ -91,16 +91,34 @@ class _Script:
         self.sha = sha
 
     async def __call__(self, keys: list[str], args: list[Any] = ()) -> Any:
-        seen = self.scripts.generation
-        if seen == 0:
-            await self.scripts.load(0)
-            seen = self.scripts.generation
+        seen = await self.loaded()
         client = self.scripts.client
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except rexc.NoScriptError:
             await self.scripts.load(seen)
             return await client.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def loaded(self) -> int:
+        """Load the scripts if this client has not yet; the generation the caller may then count on."""
+        if self.scripts.generation == 0:
+            await self.scripts.load(0)
+        return self.scripts.generation
+
+    async def in_pipeline(self, commands: Callable[[Any], None]) -> list[Any]:
+        """This script then ``commands(pipe)`` in one pipeline (one connection), run again once if the
+        node did not know the script (nothing ran then)."""
+        for attempt in (0, 1):
+            seen = await self.loaded()
+            pipe = self.scripts.client.pipeline(transaction=False)
+            commands(pipe)
+            try:
+                return await pipe.execute()
+            except rexc.NoScriptError:
+                if attempt:
+                    raise
+                await self.scripts.load(seen)
+        raise AssertionError("unreachable")
 
 
 class RedisRolloutStore:
@@ -209,6 +227,10 @@ class RedisRolloutStore:
             **{**client_deadlines(config), "max_connections": config.max_connections, **client_kwargs},
         )
 
+    async def load_scripts(self) -> None:
+        """Load the store's Lua scripts on every primary now (else a client's first call does)."""
+        await self._append.loaded()
+
     @property
     def is_cluster(self) -> bool:
         return isinstance(self.client, aioredis.RedisCluster)
@@ -288,10 +310,11 @@ class RedisRolloutStore:
     async def _with_wait(self, script, key: str, args: list) -> tuple[Any, int]:
         """``script`` then ``WAIT`` on one connection (a pipeline): Redis's WAIT counts the replicas
         that hold the writes *of its own connection*, so it must follow the write on the same one."""
-        pipe = self.client.pipeline(transaction=False)
-        await script(keys=[key], args=args, client=pipe)
-        pipe.execute_command("WAIT", self.min_replicas, max(1, int(self.replication_timeout_s * 1000)))
-        result, acked = await pipe.execute()
+        def commands(pipe) -> None:
+            pipe.evalsha(script.sha, 1, key, *args)
+            pipe.execute_command("WAIT", self.min_replicas, max(1, int(self.replication_timeout_s * 1000)))
+
+        result, acked = await script.in_pipeline(commands)
         return result, int(acked)
 
     def _check_replicated(self, acked: int) -> None:
