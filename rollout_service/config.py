@@ -274,9 +274,9 @@ class StoreConfig(_Strict):
     recent_rollouts: int = Field(
         10_000, ge=0,
         description="Rollouts the recent index keeps, newest first (GET /rollouts, GET /v1/rollouts): one sorted set "
-        "(on a Redis Cluster 16 hash-tagged ones spread over the primaries, each keeping its share) written after each "
-        "append's acknowledgement (the appends of the moment in one write) and trimmed there, so a page costs O(page), "
-        "never a scan of the store. 0: no index.",
+        "(on a Redis Cluster 16 hash-tagged ones spread over the primaries, each keeping its share, rounded up) written "
+        "after each append's acknowledgement (the appends of the moment in one write) and trimmed there, so a page costs "
+        "O(page) (on a Cluster up to a page from each set), never a scan of the store. 0: no index.",
     )
     timeout_s: float = Field(
         5.0, gt=0, description="Longest a store command waits for Redis's answer (a stalled or unreachable Redis): the "

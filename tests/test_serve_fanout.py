@@ -65,7 +65,7 @@ def test_every_choices_first_chunk_comes_first_in_choice_order_as_vllm_sends_the
     streams = [_chunks("a", ["role-a", "x", "y"], None, closed),
                _chunks("b", ["role-b", "z"], None, closed, delay=0.05),
                _chunks("c", ["role-c"], None, closed, delay=0.01)]
-    out = _read(merged_stream(streams, [0, 0, 0], include_usage=False))
+    out = _read(merged_stream(streams, [0, 0, 0], include_usage=False, firsts_in_order=True))
     chunks = [json.loads(f[6:]) for f in out[:-1]]
     firsts = [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks[:3]]
     assert firsts == [(0, "role-a"), (1, "role-b"), (2, "role-c")]
@@ -75,6 +75,37 @@ def test_every_choices_first_chunk_comes_first_in_choice_order_as_vllm_sends_the
             texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
     assert texts == {0: "role-axy", 1: "role-bz", 2: "role-c"}
     assert sorted(closed) == ["a", "b", "c"]
+
+
+def test_an_error_ends_the_merged_stream_at_once_while_the_first_chunks_are_awaited():
+    """Waiting for every choice's first chunk must not hold back a choice's error: a choice whose
+    engine never answers is cancelled when another choice fails, as without the ordering."""
+    closed: list = []
+
+    async def failing():
+        try:
+            yield _frame({"error": {"message": "engine lost", "type": "server_error", "code": 503}})
+            yield b"data: [DONE]\n\n"
+        finally:
+            closed.append("failing")
+
+    async def stuck():
+        try:
+            await asyncio.sleep(3600)
+            yield _frame({"id": "s", "choices": [{"index": 0, "text": "never"}]})
+        finally:
+            closed.append("stuck")
+
+    async def run():
+        return await asyncio.wait_for(_collect(merged_stream([stuck(), failing()], [0, 0], include_usage=False,
+                                                             firsts_in_order=True)), 5)
+
+    async def _collect(frames):
+        return [f async for f in frames]
+
+    out = asyncio.run(run())
+    assert b'"engine lost"' in out[0] and out[-1] == b"data: [DONE]\n\n"
+    assert sorted(closed) == ["failing", "stuck"]
 
 
 def test_an_error_event_ends_the_merged_stream_and_every_choice():

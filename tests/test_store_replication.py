@@ -67,6 +67,23 @@ async def test_a_sentinel_url_reaches_the_primary_and_replicated_turns_are_on_th
         await s.close()
 
 
+async def test_a_replicated_append_on_a_primary_that_forgot_the_scripts_loads_them_and_lands_once(group):
+    """The replicated append (script then WAIT in one pipeline) on a primary whose script cache was
+    flushed (as a restarted or promoted one): NOSCRIPT, nothing ran; the scripts are loaded and the
+    pipeline runs again, once: the turn is stored one time and acknowledged by the replicas."""
+    s = _store(group.url, durability="replicated", min_replicas=2)
+    try:
+        deltas, expected = synthetic_rollout(random.Random(7), [2])
+        await s.append_turn("flushed", deltas[0], expected_turn=0)
+        redis.Redis(port=group.primary_port()).script_flush()
+        await s.append_turn("flushed", deltas[1], expected_turn=1)
+        assert [_turn_on(r.port, s, "flushed") for r in group.replicas] == [2, 2]
+        expected.rollout_id = "flushed"
+        assert await s.load("flushed") == expected
+    finally:
+        await s.close()
+
+
 async def test_replicated_refuses_to_acknowledge_what_no_replica_holds_in_time(group):
     """Both replicas stalled (SIGSTOP): replicated answers StoreUnavailable after
     store.replication_timeout_s; local acknowledges at once (the primary has it)."""

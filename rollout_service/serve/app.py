@@ -256,7 +256,8 @@ class RolloutService(ForwardingReplica):
             options = getattr(req, "stream_options", None) or {}
             include_usage = bool(options.get("include_usage") if isinstance(options, dict)
                                  else getattr(options, "include_usage", False))
-            return StreamingResponse(merged_stream([a.body_iterator for a in answers], prompt_of, include_usage),
+            return StreamingResponse(merged_stream([a.body_iterator for a in answers], prompt_of, include_usage,
+                                                   firsts_in_order=dialect is chat),
                                      media_type="text/event-stream", headers={"x-rollout-replica": self.replica_id})
         merged = merge_answers([json.loads(a.body) for a in answers], prompt_of)
         return Response(json.dumps(merged, separators=(",", ":"), ensure_ascii=False), media_type="application/json",

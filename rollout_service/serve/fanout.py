@@ -61,10 +61,10 @@ def summed_usage(usages: list[dict[str, Any]], prompt_of: list[int]) -> dict[str
 
 
 async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int],
-                        include_usage: bool) -> AsyncIterator[bytes]:
+                        include_usage: bool, firsts_in_order: bool = False) -> AsyncIterator[bytes]:
     """SSE frames of several one-choice streams as one stream: every chunk re-indexed to its choice
-    and under one id; each choice's first chunk (a chat answer's role chunk) in choice order before
-    any other, as vLLM sends them, then the rest interleaved as they come; their usage chunks and
+    and under one id; with ``firsts_in_order`` (chat) each choice's first chunk, its role chunk, in
+    choice order before any other, as vLLM sends them, then the rest interleaved as they come; their usage chunks and
     ``[DONE]`` replaced by one summed usage chunk (if asked) and one ``[DONE]``. An error event of any
     choice ends the stream."""
     cid = None
@@ -82,17 +82,20 @@ async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int
             await queue.put((i, None))
 
     async def arrivals() -> AsyncIterator[tuple[int, Any]]:
-        """(choice, frame) as they come, except that the choices' first data frames come first, in
-        choice order (every choice's first event is in before this stream starts: no wait)."""
+        """(choice, frame) as they come; with ``firsts_in_order``, the choices' first data frames come
+        first, in choice order (a chat answer's role chunks: every choice's first event is in before
+        this stream starts, so that costs no wait), unless an error arrives first: it ends the wait."""
         first: dict[int, Any] = {}
         held: list[tuple[int, Any]] = []
         ended: set[int] = set()
-        while len(first) + len(ended - set(first)) < len(streams):
+        while firsts_in_order and len(first) + len(ended - set(first)) < len(streams):
             i, frame = await queue.get()
             if frame is None:
                 ended.add(i)
-            if i in first or i in ended or isinstance(frame, Exception) or not frame.startswith(b"data: ") \
-                    or frame == DONE:
+            if isinstance(frame, Exception) or _is_error_event(frame):
+                held.append((i, frame))
+                break
+            if i in first or i in ended or not frame.startswith(b"data: ") or frame == DONE:
                 held.append((i, frame))
             else:
                 first[i] = frame
@@ -143,6 +146,14 @@ async def merged_stream(streams: list[AsyncIterator[bytes]], prompt_of: list[int
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _is_error_event(frame: bytes | None) -> bool:
+    """An SSE error event (``data: {"error": ...}``, no choices): the stream's end."""
+    if not frame or not frame.startswith(b"data: {") or b'"error"' not in frame:
+        return False
+    chunk = json.loads(frame[6:])
+    return "error" in chunk and "choices" not in chunk
 
 
 MAX_CHOICES = 1024  # choices (prompts x n) of one call: each is one engine request

@@ -11,8 +11,12 @@ the index.
 On one Redis (or a Sentinel group) the index is one set, ``P:recent``, trimmed to the configured
 size. On a Redis Cluster it is ``CLUSTER_SHARDS`` sets ``P:recent:{i}`` (each hash-tagged to a slot
 of its own, so the shards spread over the primaries; a rollout's shard is a hash of its id), each
-trimmed to its share of the size: no node takes every append's index write, and a page merges the
-shards' heads in the one order a single set would give (score, then id, both descending). The index
+trimmed to its share of the size (rounded up): no node takes every append's index write, and a
+page merges the shards' heads in the one order a single set would give (score, then id, both
+descending), reading up to a page from each shard. The bound is then per shard: the index keeps
+each shard's newest, about the configured size in all (up to 15 more when the size is not a
+multiple of 16), not exactly the newest overall. An index written by a version before the shards
+(one set ``P:recent`` on the Cluster) is no longer read; it has no expiry: delete it by hand. The index
 is for people and tools that browse; it is not part of a turn's acknowledgement (a failed index
 write is logged, the turn stands).
 """
@@ -92,6 +96,9 @@ class RecentIndex:
         self.meta_key = meta_key
         self._pending: dict[str, int] = {}  # noted, not written yet
         self._writer: asyncio.Task | None = None
+        self._noted = 0  # notes taken
+        self._written = 0  # notes whose write ended (written, or given up and logged)
+        self._waiters: list[tuple[int, asyncio.Future]] = []  # settled() calls: (notes to wait for, future)
 
     def key_of(self, rollout_id: str) -> str:
         """The set that indexes ``rollout_id``."""
@@ -104,15 +111,34 @@ class RecentIndex:
         if self.size <= 0:
             return
         self._pending[rollout_id] = max(at_ms, self._pending.get(rollout_id, 0))
+        self._noted += 1
         loop = asyncio.get_running_loop()
         if self._writer is None or self._writer.done() or self._writer.get_loop() is not loop:
             self._writer = loop.create_task(self._write_pending())
 
     async def settled(self) -> None:
-        """Wait until what was noted on this event loop is written (a page reads its own appends)."""
+        """Wait until what was noted on this event loop before this call is written (a page reads its
+        own appends), not for notes that arrive meanwhile: under a steady stream of appends the
+        writer never runs dry, and a page must not wait for it to."""
         writer = self._writer
-        if writer is not None and not writer.done() and writer.get_loop() is asyncio.get_running_loop():
-            await asyncio.shield(writer)
+        if writer is None or writer.done() or writer.get_loop() is not asyncio.get_running_loop():
+            return
+        target = self._noted
+        if self._written >= target:
+            return
+        done = writer.get_loop().create_future()
+        self._waiters.append((target, done))
+        await asyncio.wait({done, writer}, return_when=asyncio.FIRST_COMPLETED)
+
+    def _wake(self) -> None:
+        waiting = []
+        for target, done in self._waiters:
+            if target <= self._written:
+                if not done.done():
+                    done.set_result(None)
+            else:
+                waiting.append((target, done))
+        self._waiters = waiting
 
     def _by_key(self, rollout_ids) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -122,7 +148,7 @@ class RecentIndex:
 
     async def _write_pending(self) -> None:
         while self._pending:
-            batch, self._pending = self._pending, {}
+            batch, upto, self._pending = self._pending, self._noted, {}
             # Bounded by the client's own command deadline (store.timeout_s), never cancelled from
             # outside: redis-py's Cluster client can hand a connection cancelled mid-pipeline to the
             # next command (an append failing with "connection lost"). Notes that arrive meanwhile
@@ -135,6 +161,8 @@ class RecentIndex:
                     await pipe.execute()
             except Exception as exc:  # the turns are stored; only the browsing index misses them
                 log.warning("recent-rollouts index not updated for %d rollout(s): %s", len(batch), exc)
+            self._written = upto
+            self._wake()
 
     async def forget(self, rollout_id: str) -> None:
         if self.size <= 0:

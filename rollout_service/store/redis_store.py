@@ -59,7 +59,9 @@ def raised_by_a_dropped_connection(exc: BaseException) -> bool:
 class _Scripts:
     """store/lua.py's scripts, run by their SHAs (``EVALSHA``), loaded on every primary (``SCRIPT LOAD``)
     before the client's first call and again when a node answers that it does not know one (a
-    restarted server, a promoted replica). The load is one at a time, and the calls wait for it:
+    restarted server, a promoted replica). One load runs at a time and every call that needs it
+    waits for that one (its result or its error: a failed load costs each waiter one load's
+    deadline, not one each; shielded, so a cancelled call does not cut a load mid-command).
     redis-py's own fallback, a ``SCRIPT LOAD`` inside each call that meets ``NOSCRIPT``, left the
     connections of a new Cluster client broken for the calls beside it (16 concurrent first appends on
     a fresh 3-primary Cluster: most of them a 503, "connection lost")."""
@@ -67,7 +69,7 @@ class _Scripts:
     def __init__(self, client):
         self.client = client
         self.sources: dict[str, str] = {}  # sha -> source
-        self._loading = asyncio.Lock()
+        self._loading: asyncio.Task | None = None
         self.generation = 0  # loads done; 0: none yet
 
     def add(self, source: str) -> "_Script":
@@ -76,13 +78,19 @@ class _Scripts:
         return script
 
     async def load(self, seen: int) -> None:
-        """Load every script, unless they were loaded since the caller saw generation ``seen``."""
-        async with self._loading:
-            if self.generation != seen:
-                return
-            for source in self.sources.values():
-                await self.client.script_load(source)
-            self.generation += 1
+        """Load every script, unless they were loaded since the caller saw generation ``seen``; a
+        load already running is the one this call waits for."""
+        if self.generation != seen:
+            return
+        task = self._loading
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            task = self._loading = asyncio.ensure_future(self._load_all())
+        await asyncio.shield(task)
+
+    async def _load_all(self) -> None:
+        for source in self.sources.values():
+            await self.client.script_load(source)
+        self.generation += 1
 
 
 class _Script:
@@ -97,7 +105,10 @@ class _Script:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except rexc.NoScriptError:
             await self.scripts.load(seen)
+        try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except rexc.NoScriptError as exc:  # lost again at once (a node flushed or replaced meanwhile)
+            raise StoreUnavailable(f"redis does not know the store's script after loading it: {exc}") from exc
 
     async def loaded(self) -> int:
         """Load the scripts if this client has not yet; the generation the caller may then count on."""
@@ -114,9 +125,9 @@ class _Script:
             commands(pipe)
             try:
                 return await pipe.execute()
-            except rexc.NoScriptError:
+            except rexc.NoScriptError as exc:
                 if attempt:
-                    raise
+                    raise StoreUnavailable(f"redis does not know the store's script after loading it: {exc}") from exc
                 await self.scripts.load(seen)
         raise AssertionError("unreachable")
 
