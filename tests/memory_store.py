@@ -37,6 +37,7 @@ class MemoryRolloutStore:
         self._clock = clock
         self._data: dict[str, _Entry] = {}
         self._groups: dict[str, dict[str, str]] = {}  # group id -> member -> state
+        self._calls: dict[str, tuple[str, float]] = {}  # rollout id -> (claim token, expiry)
 
     def _live(self, rollout_id: str) -> _Entry | None:
         entry = self._data.get(rollout_id)
@@ -117,6 +118,26 @@ class MemoryRolloutStore:
     async def exists(self, rollout_id: str) -> bool:
         validate_rollout_id(rollout_id)
         return self._live(rollout_id) is not None
+
+    async def claim_call(self, rollout_id: str, token: str, ttl_ms: int) -> str | None:
+        now = self._clock()
+        held = self._calls.get(rollout_id)
+        if held is not None and held[1] > now:
+            return held[0]
+        self._calls[rollout_id] = (token, now + ttl_ms / 1000)
+        return None
+
+    async def renew_call(self, rollout_id: str, token: str, ttl_ms: int) -> bool:
+        held = self._calls.get(rollout_id)
+        if held is None or held[0] != token or held[1] <= self._clock():
+            return False
+        self._calls[rollout_id] = (token, self._clock() + ttl_ms / 1000)
+        return True
+
+    async def release_call(self, rollout_id: str, token: str) -> None:
+        held = self._calls.get(rollout_id)
+        if held is not None and held[0] == token:
+            del self._calls[rollout_id]
 
     async def ensure_replicated(self, rollout_id: str) -> None:
         """One process, nothing to replicate."""

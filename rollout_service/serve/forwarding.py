@@ -122,6 +122,9 @@ class ForwardingReplica:
     async def _events(self, turn: TurnRequest, request: Request) -> AsyncIterator:
         """The runner's events for a turn, run here or on the replica that owns its rollout."""
         if turn.rollout_id is None or self._owns(turn.rollout_id):
+            if turn.rollout_id is not None and self.haproxy and request.headers.get(ROLLOUT_HEADER) != turn.rollout_id:
+                # HAProxy hashed no rollout id: the call's retry may reach another replica
+                turn = dataclasses.replace(turn, shared_claim=True)
             async for event in self._local_events(turn):
                 yield event
             return

@@ -88,6 +88,10 @@ class TurnRequest:
     # X-Max-Staleness: this call's staleness bound in versions (None: rollouts.max_staleness). Admission
     # only: not in the digest.
     max_staleness: int | None = None
+    # The call may reach any replica (under HAProxy, a rollout named only by X-Session-ID or metadata):
+    # its in-flight claim is also kept in the store for every replica (serve/shared_claims.py). Not in
+    # the digest.
+    shared_claim: bool = False
 
     def digest(self) -> str:
         """What makes two calls the same call: everything that shapes the prompt or the sampling.

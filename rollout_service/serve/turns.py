@@ -49,6 +49,7 @@ from rollout_service.serve.errors import http_error, key_reused
 from rollout_service.serve.groups import RolloutGroups
 from rollout_service.serve.prompts import PromptPlans
 from rollout_service.serve.reads import RolloutReads
+from rollout_service.serve.shared_claims import claim_across_replicas
 from rollout_service.serve.token_texts import TokenTexts, context_of
 from rollout_service.serve.steering import RolloutSteering, StaleRollout
 from rollout_service.serve.streaming import StreamParser
@@ -186,12 +187,20 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups, PromptPlans, Engi
         claim = _InFlight(digest, req.idempotency_key)
         self.in_flight[rollout_id] = claim
 
-        def release() -> None:
+        shared = None
+
+        async def release() -> None:
             claim.done.set()
             if self.in_flight.get(rollout_id) is claim:
                 del self.in_flight[rollout_id]
+            if shared is not None:
+                await shared.release()
 
         try:
+            if req.shared_claim:  # it may run on another replica too: the claim every replica sees
+                shared = await claim_across_replicas(
+                    self.store, rollout_id, req, digest, wait_s=REPLAY_WAIT_S,
+                    replay_policy=self.config.service.retry_policy == "replay")
             state = await self._load(rollout_id)
             replay = self._replay_of(state, req, digest)
             if replay is not None:
@@ -221,7 +230,7 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups, PromptPlans, Engi
             try:
                 async for event in self._run(req, state, digest):
                     if isinstance(event, TurnResult):
-                        release()  # stored: the rollout is free before the consumer reads the result
+                        await release()  # stored: the rollout is free before the consumer reads the result
                         stored = True
                         if group is not None:
                             await self.end_group_call(running, group, rollout_id, "finished")
@@ -231,7 +240,7 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups, PromptPlans, Engi
                 if group is not None:  # an error, or the caller went away before the answer
                     await self.end_group_call(running, group, rollout_id, "finished" if stored else "failed")
         finally:
-            release()
+            await release()
 
     def _replay_of(self, state: RolloutState | None, req: TurnRequest, digest: str) -> TurnResult | None:
         """The stored answer this request repeats, if it repeats one (see the module docstring)."""

@@ -232,6 +232,15 @@ class RolloutStore(Protocol):
         """Seconds until the rollout expires, None if it does not exist."""
         ...
 
+    async def claim_call(self, rollout_id: str, token: str, ttl_ms: int) -> str | None:
+        """Claim the rollout for one call, seen by every replica, for ``ttl_ms`` unless renewed: None
+        when ``token`` holds it now, else the holder's token ("" if it was released meanwhile)."""
+        ...
+
+    async def renew_call(self, rollout_id: str, token: str, ttl_ms: int) -> bool: ...
+
+    async def release_call(self, rollout_id: str, token: str) -> None: ...
+
     async def ensure_replicated(self, rollout_id: str) -> None:
         """Return once what is stored of the rollout is as durable as an acknowledged append
         (store.durability); StoreUnavailable if it cannot be made so in time."""

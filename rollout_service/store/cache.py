@@ -181,6 +181,15 @@ class CachedRolloutStore:
             self._invalidate(rollout_id)
         return found
 
+    async def claim_call(self, rollout_id: str, token: str, ttl_ms: int) -> str | None:
+        return await self.inner.claim_call(rollout_id, token, ttl_ms)
+
+    async def renew_call(self, rollout_id: str, token: str, ttl_ms: int) -> bool:
+        return await self.inner.renew_call(rollout_id, token, ttl_ms)
+
+    async def release_call(self, rollout_id: str, token: str) -> None:
+        await self.inner.release_call(rollout_id, token)
+
     async def ensure_replicated(self, rollout_id: str) -> None:
         await self.inner.ensure_replicated(rollout_id)
 

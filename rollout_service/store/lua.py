@@ -190,3 +190,17 @@ def decode_snapshot(rollout_id: str, reply: Any) -> RolloutState | None:
     state = decode_state(rollout_id, turn, segments, incarnation=incarnation)
     state.status, state.status_reason = status, reason
     return state
+
+
+# A call's claim on its rollout shared by every replica (store.RedisRolloutStore.claim_call): KEYS[1]
+# the claim key, ARGV[1] the holder's token; renewed (ARGV[2]: its expiry, ms) or released only by
+# its holder.
+LUA_RENEW_CALL = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+LUA_RELEASE_CALL = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""

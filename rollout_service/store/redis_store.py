@@ -30,8 +30,8 @@ from rollout_service.store.base import (
     validate_rollout_id,
 )
 from rollout_service.store.codec import encode_delta
-from rollout_service.store.lua import (LUA_APPEND, LUA_DELETE, LUA_LOAD, LUA_LOAD_IF_CHANGED, LUA_MARK, LUA_TOUCH,
-                                      SEGMENT_FIELDS, decode_snapshot)
+from rollout_service.store.lua import (LUA_APPEND, LUA_DELETE, LUA_LOAD, LUA_LOAD_IF_CHANGED, LUA_MARK,
+                                      LUA_RELEASE_CALL, LUA_RENEW_CALL, LUA_TOUCH, SEGMENT_FIELDS, decode_snapshot)
 from rollout_service.store.recent import CLUSTER_SHARDS, RecentIndex, summary_args
 from rollout_service.store.urls import client_deadlines, parse_redis_url, parse_sentinel_url
 
@@ -174,6 +174,8 @@ class RedisRolloutStore:
         self._delete = scripts.add(LUA_DELETE)
         self._touch = scripts.add(LUA_TOUCH)
         self._mark = scripts.add(LUA_MARK)
+        self._renew_call = scripts.add(LUA_RENEW_CALL)
+        self._release_call = scripts.add(LUA_RELEASE_CALL)
         self.recent = RecentIndex(client, key_prefix, recent_size, self.meta_key,
                                   shards=recent_shards or (CLUSTER_SHARDS if isinstance(client, aioredis.RedisCluster) else 1))
 
@@ -398,6 +400,29 @@ class RedisRolloutStore:
         meta = self.meta_key(rollout_id)
         async with self._translate():
             return bool(await self._touch(keys=[meta], args=[self._ttl_ms]))
+
+    def call_key(self, rollout_id: str) -> str:
+        return f"{self.key_prefix}:{{{validate_rollout_id(rollout_id)}}}:call"
+
+    async def claim_call(self, rollout_id: str, token: str, ttl_ms: int) -> str | None:
+        """Claim the rollout for one call, for every replica to see (``SET NX PX``): None when this
+        call holds it now, else the holder's token ("" when it was released as this looked)."""
+        key = self.call_key(rollout_id)
+        async with self._translate():
+            if await self.client.set(key, token, nx=True, px=max(1, int(ttl_ms))):
+                return None
+            held = await self.client.get(key)
+        return held.decode() if isinstance(held, bytes) else (held or "")
+
+    async def renew_call(self, rollout_id: str, token: str, ttl_ms: int) -> bool:
+        """Extend the claim ``token`` holds; False when it holds none (expired, or another's now)."""
+        async with self._translate():
+            return bool(await self._renew_call(keys=[self.call_key(rollout_id)], args=[token, max(1, int(ttl_ms))]))
+
+    async def release_call(self, rollout_id: str, token: str) -> None:
+        """End the claim ``token`` holds (another holder's claim is left alone)."""
+        async with self._translate():
+            await self._release_call(keys=[self.call_key(rollout_id)], args=[token])
 
     async def ttl(self, rollout_id: str) -> float | None:
         meta = self.meta_key(rollout_id)
