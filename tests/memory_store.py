@@ -120,6 +120,7 @@ class MemoryRolloutStore:
         return self._live(rollout_id) is not None
 
     async def claim_call(self, rollout_id: str, token: str, ttl_ms: int) -> str | None:
+        validate_rollout_id(rollout_id)
         now = self._clock()
         held = self._calls.get(rollout_id)
         if held is not None and held[1] > now:

@@ -19,13 +19,17 @@ def _replicas(rig, tokenizer) -> tuple[TurnRunner, TurnRunner]:
     return rig.runner, TurnRunner(rig.config, rig.runner.fleet, rig.store, tokenizer)
 
 
-async def _while_running(first_runner, first_req, second_runner, second_req) -> tuple[list, list]:
-    """The second call starts once the first one has streamed a token."""
+async def _while_running(first_runner, first_req, second_runner, second_req, *, after_s: float = 0.0,
+                         first_still_running: bool = False) -> tuple[list, list]:
+    """The second call starts once the first one has streamed a token (and ``after_s`` more)."""
     started = asyncio.Event()
     first = asyncio.create_task(run_events(first_runner, first_req,
                                            on_event=lambda e: e["kind"] == "delta" and started.set()))
     await asyncio.wait_for(started.wait(), 60)
+    await asyncio.sleep(after_s)
     second = await run_events(second_runner, second_req)
+    if first_still_running:
+        assert not first.done(), "the second call's answer came only after the first call ended"
     return await first, second
 
 
@@ -42,21 +46,50 @@ async def test_a_retry_on_another_replica_waits_for_the_call_and_is_answered_fro
     assert state.turn == 1 and len(state.segments) == 1
 
 
-async def test_another_call_on_another_replica_while_one_runs_is_a_409(sim_rig, tiny_tokenizer):
+async def test_another_call_on_another_replica_while_one_runs_is_a_409_at_once_past_the_claims_first_expiry(
+        sim_rig, tiny_tokenizer, monkeypatch):
+    """Refused by the claim (not by a lost append after generating): at once, while the first call still
+    runs, and after the claim's first expiry had passed (its holder renewed it)."""
+    from rollout_service.serve import shared_claims
+
+    monkeypatch.setattr(shared_claims, "CLAIM_TTL_S", 0.5)
+    monkeypatch.setattr(shared_claims, "RENEW_EVERY_S", 0.15)
     a, b = _replicas(sim_rig, tiny_tokenizer)
     rid = new_rid("claim-other")
     req = dataclasses.replace(turn_request(rid, [{"role": "user", "content": "count"}], seed=3, stream=True,
-                                           max_tokens=300), shared_claim=True)
+                                           max_tokens=800), shared_claim=True)
     other = dataclasses.replace(req, messages=[{"role": "user", "content": "something else"}])
-    first, second = await _while_running(a, req, b, other)
+    first, second = await _while_running(a, req, b, other, after_s=0.8, first_still_running=True)
     assert first[-1]["kind"] == "final"
     assert second[-1].get("__error__") == 409 and second[-1]["error"]["code"] == "concurrent_turn", second[-1]
+    assert "on another replica" in second[-1]["error"]["message"], second[-1]
     assert (await sim_rig.store.load(rid)).turn == 1
     # The claim ended with the call: the next call on the other replica runs.
     messages = [{"role": "user", "content": "count"},
                 {"role": "assistant", "content": first[-1]["message"]["content"]}, {"role": "user", "content": "more"}]
     nxt = await run_events(b, dataclasses.replace(req, messages=messages, max_tokens=4))
     assert nxt[-1]["kind"] == "final" and nxt[-1]["rollout"]["turn"] == 2
+
+
+async def test_a_replayed_answer_frees_the_rollout_for_its_next_call_on_another_replica(sim_rig, tiny_tokenizer):
+    """A retry answered from the store ends its claim before its answer leaves, as a stored turn does."""
+    a, b = _replicas(sim_rig, tiny_tokenizer)
+    rid = new_rid("claim-replay")
+    messages = [{"role": "user", "content": "count"}]
+    req = dataclasses.replace(turn_request(rid, messages, seed=3, stream=False, max_tokens=8), shared_claim=True)
+    first = await run_events(a, req)
+    events = b.run_turn(req)  # the retry, consumed only up to its answer (as a client that stops reading)
+    replay = None
+    async for event in events:
+        replay = event
+        if not hasattr(event, "token_ids"):
+            break
+    assert replay.rollout["replayed"]
+    nxt = dataclasses.replace(req, messages=messages + [{"role": "assistant", "content": first[-1]["message"]["content"]},
+                                                        {"role": "user", "content": "more"}])
+    out = await run_events(a, nxt)  # the generator of the retry is still open
+    assert out[-1]["kind"] == "final" and out[-1]["rollout"]["turn"] == 2, out[-1]
+    await events.aclose()
 
 
 async def test_without_the_shared_claim_the_retry_on_another_replica_runs_again_and_loses(sim_rig, tiny_tokenizer):

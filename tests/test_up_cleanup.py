@@ -327,7 +327,34 @@ def _calls_reach_one_replica_per_rollout_through_haproxy(base: str) -> dict[str,
     # A call without a rollout header is served too (HAProxy balances it; the store keeps it exact).
     resp = httpx.get(f"{base}/v1/rollouts/up-3", timeout=60)
     assert resp.status_code == 200 and resp.json()["turns"] == 2, resp.text
+    _an_x_session_id_retry_on_another_replica_is_answered_from_the_store(base, model)
     return history
+
+
+def _an_x_session_id_retry_on_another_replica_is_answered_from_the_store(base: str, model: str) -> None:
+    """HAProxy balances X-Session-ID calls over the replicas: a retry sent while the call still runs
+    (here most likely to the other replica) waits for it through the claim in the store and is
+    answered from the store, not run twice (serve/shared_claims.py)."""
+    import concurrent.futures
+
+    body = {"model": model, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 200,
+            "ignore_eos": True, "temperature": 1.0, "seed": 7}
+
+    def call() -> httpx.Response:
+        return httpx.post(f"{base}/v1/chat/completions", headers={"X-Session-ID": "up-sid"}, json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(call)
+        time.sleep(0.2)
+        retry = pool.submit(call)
+        answers = [first.result(), retry.result()]
+    assert [a.status_code for a in answers] == [200, 200], [a.text[:300] for a in answers]
+    messages = [a.json()["choices"][0]["message"] for a in answers]
+    assert messages[0]["generation_token_ids"] == messages[1]["generation_token_ids"]
+    assert sorted(m["rollout"]["replayed"] for m in messages) == [False, True], [m["rollout"] for m in messages]
+    print("X-Session-ID call and its retry answered by", [a.headers["x-rollout-replica"] for a in answers])
+    resp = httpx.get(f"{base}/v1/rollouts/up-sid", timeout=60)
+    assert resp.status_code == 200 and resp.json()["turns"] == 1, resp.text
 
 
 def _redis_killed_under_up_comes_back_with_every_turn(base: str, redis_pid: int, log_text, messages: list) -> None:

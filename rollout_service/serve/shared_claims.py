@@ -46,20 +46,20 @@ class SharedClaim:
                 if not await self.store.renew_call(self.rollout_id, self.token, int(CLAIM_TTL_S * 1000)):
                     logger.warning("rollout %s: the call's shared claim was lost (expired)", self.rollout_id)
                     return
-            except StoreError as exc:  # the next renewal tries again; the claim may expire meanwhile
+            except Exception as exc:  # noqa: BLE001 - the next renewal tries again; it may expire meanwhile
                 logger.warning("rollout %s: the call's shared claim not renewed: %s", self.rollout_id, exc)
 
     async def release(self) -> None:
+        """End the claim (once; an error is logged: the claim then expires by itself)."""
         if self._released:
             return
         self._released = True
         self._renewing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._renewing
         try:
             await self.store.release_call(self.rollout_id, self.token)
-        except StoreError as exc:  # it expires by itself
-            logger.warning("rollout %s: the call's shared claim not released: %s", self.rollout_id, exc)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("rollout %s: the call's shared claim not released (it expires in %.0f s): %s",
+                           self.rollout_id, CLAIM_TTL_S, exc)
 
 
 def _same_call(held: str, req: TurnRequest, digest: str, replay_policy: bool) -> bool:
@@ -71,7 +71,7 @@ def _same_call(held: str, req: TurnRequest, digest: str, replay_policy: bool) ->
         if held_digest != digest:
             raise key_reused(req.idempotency_key)
         return True
-    return not held_key and held_digest == digest and replay_policy
+    return held_digest == digest and replay_policy  # as a replica's own claim decides
 
 
 async def claim_across_replicas(store, rollout_id: str, req: TurnRequest, digest: str, *, replay_policy: bool,
@@ -80,11 +80,17 @@ async def claim_across_replicas(store, rollout_id: str, req: TurnRequest, digest
     most ``wait_s``); any other call is a 409 ``concurrent_turn``; a store error its status."""
     token = f"{uuid.uuid4().hex}|{digest}|{req.idempotency_key or ''}"
     deadline = time.monotonic() + wait_s
+    poll = POLL_S
     while True:
         try:
             held = await store.claim_call(rollout_id, token, int(CLAIM_TTL_S * 1000))
-        except StoreError as exc:
-            raise http_error(exc) from None
+        except BaseException as exc:
+            # The SET may have landed before the error (a timeout, a cancelled call): end it, so the
+            # rollout's next call does not wait for its expiry.
+            asyncio.ensure_future(_release_quietly(store, rollout_id, token))
+            if isinstance(exc, StoreError):
+                raise http_error(exc) from None
+            raise
         if held is None:
             return SharedClaim(store, rollout_id, token)
         if held and not _same_call(held, req, digest, replay_policy):
@@ -93,7 +99,15 @@ async def claim_across_replicas(store, rollout_id: str, req: TurnRequest, digest
         if time.monotonic() > deadline:
             raise ServiceError(409, f"rollout {rollout_id!r}: the call this request repeats is still running",
                                type="conflict_error", code="concurrent_turn")
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(poll)
+        poll = min(1.0, poll * 1.5)  # a long call's retry polls less often
+
+
+async def _release_quietly(store, rollout_id: str, token: str) -> None:
+    try:
+        await store.release_call(rollout_id, token)
+    except Exception:  # noqa: BLE001 - it expires by itself
+        pass
 
 
 __all__ = ["CLAIM_TTL_S", "SharedClaim", "claim_across_replicas"]

@@ -190,11 +190,11 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups, PromptPlans, Engi
         shared = None
 
         async def release() -> None:
+            if shared is not None:  # first: a retry waiting here then finds the store's claim free too
+                await shared.release()
             claim.done.set()
             if self.in_flight.get(rollout_id) is claim:
                 del self.in_flight[rollout_id]
-            if shared is not None:
-                await shared.release()
 
         try:
             if req.shared_claim:  # it may run on another replica too: the claim every replica sees
@@ -213,6 +213,7 @@ class TurnRunner(RolloutReads, RolloutSteering, RolloutGroups, PromptPlans, Engi
                 get_metrics().turn("replay")
                 if req.rollout_group is not None:  # e.g. a retry of a call whose answer was lost after its append
                     await self.note_group(req.rollout_group, rollout_id, "finished")
+                await release()  # as a stored turn: free before the consumer reads the answer
                 yield replay
                 return
             try:  # an aborted rollout, or one past its staleness bound: 409, nothing generated or stored
