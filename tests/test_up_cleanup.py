@@ -355,6 +355,24 @@ def _an_x_session_id_retry_on_another_replica_is_answered_from_the_store(base: s
     print("X-Session-ID call and its retry answered by", [a.headers["x-rollout-replica"] for a in answers])
     resp = httpx.get(f"{base}/v1/rollouts/up-sid", timeout=60)
     assert resp.status_code == 200 and resp.json()["turns"] == 1, resp.text
+    # The same for a call with n > 1 (a group of rollouts up-grp/0, up-grp/1): each member replayed.
+    body = {**body, "n": 2, "max_tokens": 100}
+
+    def group_call() -> httpx.Response:
+        return httpx.post(f"{base}/v1/chat/completions", headers={"X-Session-ID": "up-grp"}, json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(group_call)
+        time.sleep(0.2)
+        retry = pool.submit(group_call)
+        answers = [first.result(), retry.result()]
+    assert [a.status_code for a in answers] == [200, 200], [a.text[:300] for a in answers]
+    choices = [a.json()["choices"] for a in answers]
+    for j in range(2):
+        pair = [c[j]["message"] for c in choices]
+        assert pair[0]["generation_token_ids"] == pair[1]["generation_token_ids"]
+        assert sorted(m["rollout"]["replayed"] for m in pair) == [False, True], [m["rollout"] for m in pair]
+        assert httpx.get(f"{base}/v1/rollouts/up-grp/{j}", timeout=60).json()["turns"] == 1
 
 
 def _redis_killed_under_up_comes_back_with_every_turn(base: str, redis_pid: int, log_text, messages: list) -> None:

@@ -271,6 +271,9 @@ class RolloutService(ForwardingReplica):
             return await self._answer_many([self._events(t, request) for t in turns], dialect, body, turn.stream,
                                            [0] * n)
         turns = group_turns(turn, n)
+        if self.haproxy and request.headers.get(ROLLOUT_HEADER) != turn.rollout_id:
+            # HAProxy hashed no rollout id: the call's retry may reach another replica (serve/shared_claims.py)
+            turns = [dataclasses.replace(t, shared_claim=True) for t in turns]
         # every member on the group's record before any runs: an abort of the group right after
         # this call started reaches them all (each aborted before its first turn if need be)
         await (await self._runner_or_503()).note_group(turns[0].rollout_group, [t.rollout_id for t in turns], "running")
