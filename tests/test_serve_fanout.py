@@ -33,6 +33,15 @@ def _chunks(sid: str, texts: list[str], usage: dict | None, closed: list, delay:
     return frames()
 
 
+async def _failing(closed: list):
+    """A choice whose call failed: its error event, then [DONE]."""
+    try:
+        yield _frame({"error": {"message": "engine lost", "type": "service_unavailable", "code": 503}})
+        yield b"data: [DONE]\n\n"
+    finally:
+        closed.append("failing")
+
+
 def _read(frames) -> list:
     async def run():
         return [f async for f in frames]
@@ -82,13 +91,6 @@ def test_an_error_ends_the_merged_stream_at_once_while_the_first_chunks_are_awai
     engine never answers is cancelled when another choice fails, as without the ordering."""
     closed: list = []
 
-    async def failing():
-        try:
-            yield _frame({"error": {"message": "engine lost", "type": "server_error", "code": 503}})
-            yield b"data: [DONE]\n\n"
-        finally:
-            closed.append("failing")
-
     async def stuck():
         try:
             await asyncio.sleep(3600)
@@ -97,8 +99,8 @@ def test_an_error_ends_the_merged_stream_at_once_while_the_first_chunks_are_awai
             closed.append("stuck")
 
     async def run():
-        return await asyncio.wait_for(_collect(merged_stream([stuck(), failing()], [0, 0], include_usage=False,
-                                                             firsts_in_order=True)), 5)
+        return await asyncio.wait_for(_collect(merged_stream([stuck(), _failing(closed)], [0, 0],
+                                                             include_usage=False, firsts_in_order=True)), 5)
 
     async def _collect(frames):
         return [f async for f in frames]
@@ -110,16 +112,8 @@ def test_an_error_ends_the_merged_stream_at_once_while_the_first_chunks_are_awai
 
 def test_an_error_event_ends_the_merged_stream_and_every_choice():
     closed: list = []
-
-    async def failing():
-        try:
-            yield _frame({"error": {"message": "engine lost", "type": "service_unavailable", "code": 503}})
-            yield b"data: [DONE]\n\n"
-        finally:
-            closed.append("bad")
-
     slow = _chunks("slow", ["a"] * 50, None, closed, delay=0.05)
-    out = _read(merged_stream([slow, failing()], [0, 0], include_usage=False))
+    out = _read(merged_stream([slow, _failing(closed)], [0, 0], include_usage=False))
     assert json.loads(out[-2][6:])["error"]["code"] == 503 and out[-1] == b"data: [DONE]\n\n"
     assert "slow" in closed  # the other choice's stream was closed, not left running
 

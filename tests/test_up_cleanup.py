@@ -335,13 +335,21 @@ def _an_x_session_id_retry_on_another_replica_is_answered_from_the_store(base: s
     """HAProxy balances X-Session-ID calls over the replicas: a retry sent while the call still runs
     (here most likely to the other replica) waits for it through the claim in the store and is
     answered from the store, not run twice (serve/shared_claims.py)."""
-    import concurrent.futures
-
     body = {"model": model, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 200,
             "ignore_eos": True, "temperature": 1.0, "seed": 7}
+    answers = _a_call_and_its_retry_0_2_s_later(base, "up-sid", body)
+    print("X-Session-ID call and its retry answered by", [a.headers["x-rollout-replica"] for a in answers])
+    _each_choice_once_and_replayed_once(base, "up-sid", answers, [""])
+    # The same for a call with n > 1 (a group of rollouts up-grp/0, up-grp/1): each member replayed.
+    answers = _a_call_and_its_retry_0_2_s_later(base, "up-grp", {**body, "n": 2, "max_tokens": 100})
+    _each_choice_once_and_replayed_once(base, "up-grp", answers, ["/0", "/1"])
+
+
+def _a_call_and_its_retry_0_2_s_later(base: str, session_id: str, body: dict) -> list[httpx.Response]:
+    import concurrent.futures
 
     def call() -> httpx.Response:
-        return httpx.post(f"{base}/v1/chat/completions", headers={"X-Session-ID": "up-sid"}, json=body, timeout=120)
+        return httpx.post(f"{base}/v1/chat/completions", headers={"X-Session-ID": session_id}, json=body, timeout=120)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         first = pool.submit(call)
@@ -349,30 +357,18 @@ def _an_x_session_id_retry_on_another_replica_is_answered_from_the_store(base: s
         retry = pool.submit(call)
         answers = [first.result(), retry.result()]
     assert [a.status_code for a in answers] == [200, 200], [a.text[:300] for a in answers]
-    messages = [a.json()["choices"][0]["message"] for a in answers]
-    assert messages[0]["generation_token_ids"] == messages[1]["generation_token_ids"]
-    assert sorted(m["rollout"]["replayed"] for m in messages) == [False, True], [m["rollout"] for m in messages]
-    print("X-Session-ID call and its retry answered by", [a.headers["x-rollout-replica"] for a in answers])
-    resp = httpx.get(f"{base}/v1/rollouts/up-sid", timeout=60)
-    assert resp.status_code == 200 and resp.json()["turns"] == 1, resp.text
-    # The same for a call with n > 1 (a group of rollouts up-grp/0, up-grp/1): each member replayed.
-    body = {**body, "n": 2, "max_tokens": 100}
+    return answers
 
-    def group_call() -> httpx.Response:
-        return httpx.post(f"{base}/v1/chat/completions", headers={"X-Session-ID": "up-grp"}, json=body, timeout=120)
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        first = pool.submit(group_call)
-        time.sleep(0.2)
-        retry = pool.submit(group_call)
-        answers = [first.result(), retry.result()]
-    assert [a.status_code for a in answers] == [200, 200], [a.text[:300] for a in answers]
-    choices = [a.json()["choices"] for a in answers]
-    for j in range(2):
-        pair = [c[j]["message"] for c in choices]
+def _each_choice_once_and_replayed_once(base: str, rid: str, answers: list[httpx.Response], members: list[str]) -> None:
+    """Choice j of both answers is one stored turn of rollout ``rid + members[j]``, answered once
+    and replayed once."""
+    for j, member in enumerate(members):
+        pair = [a.json()["choices"][j]["message"] for a in answers]
         assert pair[0]["generation_token_ids"] == pair[1]["generation_token_ids"]
         assert sorted(m["rollout"]["replayed"] for m in pair) == [False, True], [m["rollout"] for m in pair]
-        assert httpx.get(f"{base}/v1/rollouts/up-grp/{j}", timeout=60).json()["turns"] == 1
+        resp = httpx.get(f"{base}/v1/rollouts/{rid}{member}", timeout=60)
+        assert resp.status_code == 200 and resp.json()["turns"] == 1, resp.text
 
 
 def _redis_killed_under_up_comes_back_with_every_turn(base: str, redis_pid: int, log_text, messages: list) -> None:
